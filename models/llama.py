@@ -1,0 +1,165 @@
+"""A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+Attention reshapes with an inferred head count, so the same code runs with
+all heads on one device or a tensor-parallel slice of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# Public Llama 3 shapes (rope scaling of the 3.1/3.2 releases is not modelled).
+FLAVORS = {
+    "debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
+                       vocab_size=256, max_seq_len=512),
+    "debug_tied": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
+                            vocab_size=256, max_seq_len=512, tie_embeddings=True),
+    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                    vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                    vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def rope_tables(args: LlamaArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    half = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head; x is (b, s, h, d)."""
+    seq = x.shape[1]
+    cos, sin = cos[:seq, None, :], sin[:seq, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(proj(x), "b s (h d) -> b s h d", d=self.head_dim)
+                   for proj in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+        # Each kv head serves n_rep consecutive query heads; a TP slice keeps that ratio.
+        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps the names "layers.0", "layers.1", ... stable for checkpoints.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection; called again after TP."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+    def reset_buffers(self) -> None:
+        cos, sin = rope_tables(self.args, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def init_value(self, fqn: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """The full initial value of parameter `fqn`, drawn from `generator` on the CPU."""
+        if fqn.endswith("norm.weight"):
+            return torch.ones(shape)
+        if fqn == "tok_embeddings.weight":
+            std = self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
+        elif fqn == "output.weight":
+            std = self.args.dim ** -0.5
+        elif fqn.endswith(("wo.weight", "w2.weight")):
+            std = 0.02 / math.sqrt(2 * self.args.n_layers)  # residual outputs, GPT-2 style
+        else:
+            std = 0.02
+        return torch.randn(shape, generator=generator) * std

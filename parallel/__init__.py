@@ -1,0 +1,3 @@
+"""Mesh building and parallelize plans. Importing this package registers the built-in plans."""
+
+from parallel import llama_plan  # noqa: F401  (registers the "llama" plan)

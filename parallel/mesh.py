@@ -1,0 +1,148 @@
+"""The `--mesh` text, its validation, and the named DeviceMesh built from it.
+
+The grid has three named dimensions, outermost first:
+
+    hsdp  replica groups (HSDP replicates across them)
+    dp    FSDP shard degree inside each replica group
+    tp    tensor parallel degree, innermost so its ranks share a node
+
+Parsing needs no process group, so it can be tested on its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.errors import UserError
+
+DIM_ORDER = ("hsdp", "dp", "tp")
+_ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
+_EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh hsdp=2,dp=2,tp=2"
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of every dimension; a size of -1 means "the rest of the world"."""
+
+    hsdp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.hsdp, self.dp, self.tp)
+
+    @property
+    def world_size(self) -> int | None:
+        """The number of ranks this mesh needs, or None while a -1 is unresolved."""
+        if -1 in self.sizes:
+            return None
+        return self.hsdp * self.dp * self.tp
+
+    def resolve(self, world_size: int) -> "MeshSpec":
+        """Replace a -1 by what is left of `world_size`, and check the product."""
+        known = 1
+        for size in self.sizes:
+            if size != -1:
+                known *= size
+        if -1 in self.sizes:
+            if world_size % known:
+                raise UserError(
+                    f"--mesh {self} cannot fill a world of {world_size} ranks: the fixed "
+                    f"dimensions multiply to {known}, which does not divide {world_size}. "
+                    f"Choose sizes whose product divides the world size."
+                )
+            return MeshSpec(*(world_size // known if s == -1 else s for s in self.sizes))
+        if known != world_size:
+            raise UserError(
+                f"--mesh {self} needs {known} ranks but the world size is {world_size}. "
+                f"Make the product of the mesh sizes equal the number of processes "
+                f"(torchrun --nproc_per_node, or --nproc), or use -1 for one dimension "
+                f"to take the rest."
+            )
+        return self
+
+    def __str__(self) -> str:
+        return format_mesh(self)
+
+
+def format_mesh(spec: MeshSpec) -> str:
+    """Canonical text: every dimension larger than 1 (or -1), outermost first."""
+    items = [f"{name}={size}" for name, size in zip(DIM_ORDER, spec.sizes) if size != 1]
+    return ",".join(items) or "dp=1"
+
+
+def parse_mesh(text: str) -> MeshSpec:
+    """Parse `dp=4,tp=2` style text. Raises UserError naming what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise UserError(f"--mesh is empty. Give named sizes, {_EXAMPLE}.")
+    sizes: dict[str, int] = {}
+    for raw in text.split(","):
+        match = _ITEM.match(raw)
+        if match is None:
+            raise UserError(
+                f"--mesh {text!r}: cannot read {raw.strip()!r}. Each item must be "
+                f"name=size with an integer size, {_EXAMPLE}."
+            )
+        name, size = match.group(1), int(match.group(2))
+        if name not in DIM_ORDER:
+            raise UserError(
+                f"--mesh {text!r}: unknown dimension {name!r}. Known dimensions are "
+                f"{', '.join(DIM_ORDER)} (outermost first)."
+            )
+        if name in sizes:
+            raise UserError(f"--mesh {text!r}: dimension {name!r} is given twice. Give each once.")
+        if size == 0 or size < -1:
+            raise UserError(
+                f"--mesh {text!r}: {name}={size} is not a valid size. Sizes are positive "
+                f"integers, or -1 (at most once) for the rest of the world size."
+            )
+        sizes[name] = size
+    if list(sizes.values()).count(-1) > 1:
+        raise UserError(
+            f"--mesh {text!r}: more than one dimension is -1. At most one may take the "
+            f"rest of the world size."
+        )
+    return MeshSpec(**sizes)
+
+
+@dataclass
+class ParallelDims:
+    """The built mesh and the views of it that the rest of the engine uses.
+
+    `fsdp` is what fully_shard gets: 1-D (dp) or, with hsdp > 1, 2-D (hsdp, dp).
+    `tp` is the tensor-parallel sub-mesh. `data` is hsdp x dp flattened: ranks
+    with the same coordinate there read the same batch, and loss averages and
+    data sharding use it.
+    """
+
+    spec: MeshSpec
+    device_type: str
+    world: "DeviceMesh"  # noqa: F821 - torch is imported lazily
+    fsdp: "DeviceMesh"  # noqa: F821
+    tp: "DeviceMesh"  # noqa: F821
+    data: "DeviceMesh"  # noqa: F821
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.spec.tp > 1
+
+    @property
+    def data_rank(self) -> int:
+        return self.data.get_local_rank()
+
+    @property
+    def data_size(self) -> int:
+        return self.spec.hsdp * self.spec.dp
+
+
+def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
+    """Build the named 3-D DeviceMesh; the process group must already exist."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device_type, spec.sizes, mesh_dim_names=DIM_ORDER)
+    fsdp = world["hsdp", "dp"] if spec.hsdp > 1 else world["dp"]
+    data = world["hsdp", "dp"]._flatten("data")
+    return ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
+                        tp=world["tp"], data=data)

@@ -1,0 +1,58 @@
+"""What a parallelize plan is: plain data about one model, plus a registry by name.
+
+A plan says which modules are the repeated blocks (FSDP units) and which
+tensor-parallel style goes on which submodule. Paths are dot-separated module
+names in which each part may be a shell-style glob, so "layers.*.attention.wq"
+names the query projection of every block. The engine (parallel/apply.py)
+decides the order in which the pieces are applied; a plan never does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from engine.errors import UserError
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    blocks: str  # path glob of the repeated blocks, e.g. "layers.*"
+    tensor_parallel: dict[str, ParallelStyle] = field(default_factory=dict)
+
+
+PLANS: dict[str, Plan] = {}
+
+
+def register_plan(plan: Plan) -> Plan:
+    PLANS[plan.name] = plan
+    return plan
+
+
+def get_plan(name: str) -> Plan:
+    if name not in PLANS:
+        raise UserError(f"unknown plan {name!r}. Registered plans: {', '.join(sorted(PLANS)) or 'none'}.")
+    return PLANS[name]
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    """Glob match part by part, so "*" never crosses a dot."""
+    parts, pattern_parts = path.split("."), pattern.split(".")
+    return len(parts) == len(pattern_parts) and all(
+        fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts))
+
+
+def expand(model: nn.Module, pattern: str, plan_name: str) -> list[str]:
+    """The module paths `pattern` names, in model order; an error if there are none."""
+    paths = [name for name, _ in model.named_modules() if name and path_matches(pattern, name)]
+    if not paths:
+        raise UserError(
+            f"plan {plan_name!r}: pattern {pattern!r} matches no module of "
+            f"{type(model).__name__}. Check the path against the model's module names "
+            f"(print(dict(model.named_modules()).keys()))."
+        )
+    return paths

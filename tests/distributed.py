@@ -1,0 +1,29 @@
+"""Helpers for the multi-process tests: real torchrun launches over gloo on the CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(script), *args]
+    return subprocess.run(command, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python launch/run.py ARGS`, which starts torchrun itself."""
+    return subprocess.run([sys.executable, str(REPO / "launch" / "run.py"), *args], cwd=REPO,
+                          env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)

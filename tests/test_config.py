@@ -1,0 +1,50 @@
+"""Config loading and --set overrides: unknown keys and wrong types are named."""
+
+import pytest
+
+from engine.config import load_config
+from engine.errors import UserError
+from launch.run import DEFAULT_CONFIG
+
+
+def test_default_config_loads():
+    cfg = load_config(DEFAULT_CONFIG)
+    assert cfg.parallel.mesh == "dp=4,tp=2" and cfg.model.flavor == "debug"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(DEFAULT_CONFIG, ["training.steps=7", "optim.lr=1", "data.source=synthetic"])
+    assert cfg.training.steps == 7 and cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.data.source == "synthetic"
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("training.step=3", "unknown config key 'training.step'. Accepted keys in section 'training': steps,"),
+    ("trainig.steps=3", "unknown config key 'trainig.steps'. Keys are section.key, with sections model,"),
+    ("steps=3", "unknown config key 'steps'"),
+    ("training.steps=three", "training.steps must be of type int, but got 'three'"),
+    ("training.steps=2.5", "training.steps must be of type int"),
+    ("training.steps=true", "training.steps must be of type int"),
+    ("training.steps=0", "must be positive"),
+    ("parallel.device=tpu", "accepted values: auto, cpu, cuda"),
+    ("training.steps", "expected section.key=value"),
+])
+def test_bad_overrides_name_the_key(override, fragment):
+    with pytest.raises(UserError) as err:
+        load_config(DEFAULT_CONFIG, [override])
+    assert fragment in str(err.value)
+
+
+def test_bad_yaml_keys_name_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  stepz: 3\n")
+    with pytest.raises(UserError, match="unknown config key 'training.stepz'"):
+        load_config(path)
+    path.write_text("optimizer:\n  lr: 3\n")
+    with pytest.raises(UserError, match="unknown config key 'optimizer.lr'"):
+        load_config(path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
