@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,6 +144,9 @@ def exit_now(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    # FSDP warns when the root returns a view (TP's replicated logits are one), in case the
+    # caller modifies it in place; the loss here only reads the logits.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     args = parse_args(argv)
     torchrun = under_torchrun()
     try:
