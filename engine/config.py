@@ -21,6 +21,7 @@ from engine.errors import UserError
 class ModelConfig:
     name: str = "llama"
     flavor: str = "debug"
+    plugin: str = ""  # comma-separated modules to import first; they may register models and plans
 
 
 @dataclass
@@ -29,6 +30,16 @@ class ParallelConfig:
     plan: str = "llama"
     device: str = "auto"  # auto, cpu or cuda
     backend: str = "auto"  # auto, gloo or nccl
+    sequence_parallel: bool = False
+    loss_parallel: bool = False  # keep the logits sharded by vocabulary into the loss
+    activation_checkpoint: str = "none"  # none, full, selective (every Nth block) or op
+    checkpoint_every: int = 2  # N for selective
+    compile: bool = False  # torch.compile each block
+    reshard_after_forward: bool | int | str = True  # true, false, auto or a group size
+    root_reshard_after_forward: bool = False
+    param_dtype: str = "float32"  # float32 or bfloat16: the dtype of forward and backward
+    reduce_dtype: str = "float32"  # the dtype gradients are reduced in
+    offload: bool = False  # keep sharded parameters, gradients and optimizer state on the CPU
 
 
 @dataclass
@@ -82,9 +93,12 @@ _CHOICES = {
     ("parallel", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("data", "source"): ("corpus", "synthetic"),
+    ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),
+    ("parallel", "param_dtype"): ("float32", "bfloat16"),
+    ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
 }
 _POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
-             ("metrics", "log_every")}
+             ("metrics", "log_every"), ("parallel", "checkpoint_every")}
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from engine.data import local_batch
 from engine.grad_norm import clip_grad_norm
@@ -41,6 +44,17 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def forward_backward(model, inputs, targets) -> torch.Tensor:
+    """Loss and gradients for one batch. Vocabulary-sharded logits (loss parallel) need
+    the loss and its backward inside loss_parallel(); the loss comes back as a plain tensor."""
+    logits = model(inputs)
+    sharded = isinstance(logits, DTensor)
+    with loss_parallel() if sharded else nullcontext():
+        loss = loss_fn(logits, targets)
+        loss.backward()
+    return loss.full_tensor() if sharded else loss
+
+
 def global_mean(value: torch.Tensor, group) -> float:
     """Average a scalar over the data-parallel ranks (gloo has no AVG, so SUM then divide)."""
     if group is None:
@@ -60,8 +74,7 @@ class StepResult:
 def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
                data_group=None) -> StepResult:
     lr = scheduler.get_last_lr()[0]
-    loss = loss_fn(model(inputs), targets)
-    loss.backward()
+    loss = forward_backward(model, inputs, targets)
     norm = clip_grad_norm(model.parameters(), max_norm)
     optimizer.step()
     scheduler.step()

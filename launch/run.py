@@ -32,6 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mesh", help="mesh, e.g. dp=4,tp=2 or hsdp=2,dp=2,tp=2 (overrides parallel.mesh)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set training.steps=10 (repeatable)")
+    parser.add_argument("--explain", action="store_true",
+                        help="print, before training, what the plan did to each module")
     parser.add_argument("--nproc", type=int, help="processes to start when not under torchrun "
                         "(default: the mesh's size)")
     return parser.parse_args(argv)
@@ -61,16 +63,29 @@ def check(args: argparse.Namespace, world_size: int | None):
     if not data_path.is_absolute() and not data_path.exists() and (REPO / data_path).exists():
         cfg.data.path = str(REPO / data_path)  # shipped data, found from any working directory
     import parallel  # noqa: F401  (registers the built-in plans)
-    from models import model_args
+    from engine.plugins import load_plugins
+    from models import build_on_meta, model_args
+    from parallel.apply import tensor_parallel_styles
     from parallel.plan import get_plan
-    get_plan(cfg.parallel.plan)
+    from parallel.reshard import resolve_reshard
+    from parallel.validate import validate_plan
+    load_plugins(cfg.model.plugin)
+    plan = get_plan(cfg.parallel.plan)
     pick_device(cfg)
     args_ = model_args(cfg.model.name, cfg.model.flavor)
+    if spec.tp > 1:  # on meta: shapes only, so even a 70B model costs nothing here
+        model = build_on_meta(cfg.model.name, cfg.model.flavor)
+        validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
+                      cfg.parallel.sequence_parallel)
     data_size = spec.hsdp * spec.dp
     if cfg.training.global_batch % data_size:
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not divide over "
                         f"{data_size} data-parallel ranks (hsdp x dp of --mesh {spec}). Use a multiple "
                         f"of {data_size}.")
+    resolve_reshard(cfg.parallel.reshard_after_forward, spec)
+    if spec.tp > 1 and cfg.parallel.sequence_parallel and cfg.training.seq_len % spec.tp:
+        raise UserError(f"training.seq_len={cfg.training.seq_len} does not split over tp={spec.tp} "
+                        f"with parallel.sequence_parallel=true. Use a multiple of {spec.tp}.")
     if cfg.training.seq_len > args_.max_seq_len:
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
                         f"{args_.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
@@ -100,7 +115,7 @@ def pick_device(cfg) -> tuple[str, str]:
     return device, backend
 
 
-def train_on_mesh(cfg, spec: MeshSpec) -> None:
+def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -127,7 +142,10 @@ def train_on_mesh(cfg, spec: MeshSpec) -> None:
 
     model = build_on_meta(cfg.model.name, cfg.model.flavor)
     log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    apply_plan(model, plan, dims)
+    applied = apply_plan(model, plan, dims, cfg.parallel)
+    if show_plan:
+        from parallel.explain import explain
+        log.print(explain(model, applied))
     materialise(model, device, cfg.training.seed)
     source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
     train(model, cfg, source, dims, device, log)
@@ -153,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
             relaunch_under_torchrun(spec.world_size, argv)
-        train_on_mesh(cfg, spec)
+        train_on_mesh(cfg, spec, show_plan=args.explain)
     except UserError as err:
         if is_rank_zero():
             print(f"error: {err}", file=sys.stderr)

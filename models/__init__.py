@@ -5,11 +5,19 @@ from __future__ import annotations
 import torch
 
 from engine.errors import UserError
-from models import llama
+from models import gpt2, llama
 
 MODELS = {
     "llama": (llama.Llama, llama.FLAVORS),
+    "gpt2": (gpt2.GPT2, gpt2.FLAVORS),
 }
+
+
+def register_model(name: str, model_class, flavors: dict) -> None:
+    """Add a model from outside this package. The class takes one flavor's args and
+    must provide init_value(fqn, shape, generator), reset_buffers(), an `args` with
+    vocab_size and max_seq_len, and tie_weights() if it shares parameters."""
+    MODELS[name] = (model_class, flavors)
 
 
 def model_args(name: str, flavor: str):

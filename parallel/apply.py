@@ -1,37 +1,166 @@
 """Applies a plan to a meta-device model. The order lives here and only here:
 
-1. tensor parallel on the TP sub-mesh (then shared weights are tied again),
-2. fully_shard on every block,
-3. fully_shard on the root, which takes the remaining parameters.
+1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh,
+2. activation checkpointing, per block,
+3. torch.compile, per block,
+4. fully_shard on every block (with the reshard-after-forward setting),
+5. fully_shard on the root, which takes the remaining parameters.
+
+AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
+the recomputed and compiled regions.
 """
 
 from __future__ import annotations
 
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
+import functools
+from dataclasses import dataclass, field
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from engine.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.plan import Plan, expand
+from parallel.validate import validate_plan
+from parallel.reshard import (build_post_forward_mesh, check_supported, install_post_forward_mesh,
+                              resolve_reshard)
+
+# Op-level selective AC keeps the results of these (the expensive ones) and recomputes the rest.
+SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims) -> None:
-    styles = {path: style
-              for pattern, style in plan.tensor_parallel.items()
+def tensor_parallel_styles(model: nn.Module, plan: Plan, options: ParallelConfig) -> dict:
+    """Concrete module path -> style, after the SP overlay and the output's style."""
+    patterns = dict(plan.tensor_parallel)
+    if options.sequence_parallel:
+        patterns.update(plan.sequence_parallel)
+    styles = {path: style for pattern, style in patterns.items()
               for path in expand(model, pattern, plan.name)}
+    if plan.output is not None:
+        expand(model, plan.output, plan.name)
+        styles[plan.output] = ColwiseParallel(
+            input_layouts=Shard(1) if options.sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
+            use_local_output=not options.loss_parallel)
+    return styles
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims,
+                          options: ParallelConfig) -> dict:
+    styles = tensor_parallel_styles(model, plan, options)
+    validate_plan(model, plan, styles, dims.spec.tp, options.sequence_parallel)
     parallelize_module(model, dims.tp, styles)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # TP replaced the parameters, which breaks any sharing
+    return styles
 
 
-def apply_fsdp(model: nn.Module, plan: Plan, dims: ParallelDims) -> None:
-    for path in expand(model, plan.blocks, plan.name):
-        fully_shard(model.get_submodule(path), mesh=dims.fsdp, reshard_after_forward=True)
-    fully_shard(model, mesh=dims.fsdp)
+def _save_chosen_ops(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims) -> nn.Module:
+def checkpoint_block(block: nn.Module, op_level: bool) -> None:
+    """Recompute the block's activations in backward. Wrapping `forward` in place keeps
+    parameter names unchanged, so checkpoints and plans see the same paths."""
+    forward = block.forward
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_chosen_ops)
+                  if op_level else None)
+    extra = {"context_fn": context_fn} if context_fn else {}
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = checkpointed
+
+
+def apply_activation_checkpoint(block_paths: list[str], model: nn.Module,
+                                options: ParallelConfig) -> list[str]:
+    mode = options.activation_checkpoint
+    chosen = [path for index, path in enumerate(block_paths)
+              if mode in ("full", "op") or (mode == "selective" and index % options.checkpoint_every == 0)]
+    for path in chosen:
+        checkpoint_block(model.get_submodule(path), op_level=mode == "op")
+    return chosen
+
+
+def _clone_output(module, inputs, output):
+    return output.clone()
+
+
+def apply_compile(model: nn.Module, blocks: list[nn.Module], tp_paths: list[str],
+                  block_paths: list[str]) -> None:
+    for block in blocks:
+        block.compile()
+    # torch 2.13: a compiled block whose input comes straight out of a TP module
+    # (the embedding's all-reduced output) gets a zero gradient for that module's
+    # weight. Handing the block a fresh tensor avoids it (shared/research finding).
+    outside = [p for p in tp_paths if not any(p == b or p.startswith(b + ".") for b in block_paths)]
+    for path in outside:
+        model.get_submodule(path).register_forward_hook(_clone_output)
+
+
+def fsdp_policies(options: ParallelConfig, device_type: str) -> dict:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    policies = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtypes[options.param_dtype],
+                                                  reduce_dtype=dtypes[options.reduce_dtype])}
+    policies["offload_policy"] = (CPUOffloadPolicy(pin_memory=device_type == "cuda")
+                                  if options.offload else OffloadPolicy())
+    return policies
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
+               options: ParallelConfig) -> bool | int:
+    policies = fsdp_policies(options, dims.device_type)
+    reshard = resolve_reshard(options.reshard_after_forward, dims.spec)
+    post_forward_mesh = None
+    if not isinstance(reshard, bool):
+        check_supported()
+        post_forward_mesh = build_post_forward_mesh(dims, reshard)
+    for block in blocks:
+        fully_shard(block, mesh=dims.fsdp, reshard_after_forward=post_forward_mesh is not None or reshard,
+                    **policies)
+        if post_forward_mesh is not None:
+            install_post_forward_mesh(block, post_forward_mesh)
+    fully_shard(model, mesh=dims.fsdp, reshard_after_forward=options.root_reshard_after_forward, **policies)
+    return reshard
+
+
+@dataclass
+class AppliedPlan:
+    """What apply_plan did, for --explain."""
+
+    plan: Plan
+    options: ParallelConfig
+    tp_styles: dict[str, object] = field(default_factory=dict)
+    blocks: list[str] = field(default_factory=list)
+    checkpointed: list[str] = field(default_factory=list)
+    compiled: list[str] = field(default_factory=list)
+    block_reshard: bool | int = True
+
+
+def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
+               options: ParallelConfig | None = None) -> AppliedPlan:
+    options = options or ParallelConfig()
+    applied = AppliedPlan(plan, options, blocks=expand(model, plan.blocks, plan.name))
+    blocks = [model.get_submodule(path) for path in applied.blocks]
     if dims.tp_enabled:
-        apply_tensor_parallel(model, plan, dims)
-    apply_fsdp(model, plan, dims)
-    return model
+        applied.tp_styles = apply_tensor_parallel(model, plan, dims, options)
+    if options.activation_checkpoint != "none":
+        applied.checkpointed = apply_activation_checkpoint(applied.blocks, model, options)
+    if options.compile:
+        apply_compile(model, blocks, list(applied.tp_styles), applied.blocks)
+        applied.compiled = list(applied.blocks)
+    applied.block_reshard = apply_fsdp(model, blocks, dims, options)
+    return applied

@@ -1,7 +1,8 @@
 """The parallelize plan for models.llama: blocks and tensor-parallel styles as data."""
 
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from parallel.plan import Plan, register_plan
 
@@ -21,6 +22,23 @@ LLAMA = register_plan(Plan(
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
     },
+    sequence_parallel={
+        # Outside attention and MLP the hidden states stay split by sequence position,
+        # so the norms run on a slice and hold no full activations.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "norm": SequenceParallel(),
+        # Attention and MLP gather the sequence on entry and scatter it on exit.
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                 desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                    desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    },
+    output="output",
+    # q, k, v and wo must split into whole heads: kv heads bound the TP degree.
+    shard_units={"layers.*.attention.w?": lambda model: model.args.head_dim},
 ))

@@ -10,6 +10,7 @@ decides the order in which the pieces are applied; a plan never does.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -20,9 +21,20 @@ from engine.errors import UserError
 
 @dataclass(frozen=True)
 class Plan:
+    """`tensor_parallel` is used as is without sequence parallel; with it,
+    `sequence_parallel` entries are laid over it (same path: replaced). Between
+    blocks, sequence-parallel hidden states are sharded on the sequence dimension
+    (Shard(1)). `output` names the final projection, whose style the engine sets
+    from the sequence- and loss-parallel switches."""
+
     name: str
     blocks: str  # path glob of the repeated blocks, e.g. "layers.*"
     tensor_parallel: dict[str, ParallelStyle] = field(default_factory=dict)
+    sequence_parallel: dict[str, ParallelStyle] = field(default_factory=dict)
+    output: str | None = None
+    # Path glob -> the width of one indivisible unit along the dimension TP splits
+    # (an attention head), given the model: lambda model: model.args.head_dim.
+    shard_units: dict[str, Callable[[nn.Module], int]] = field(default_factory=dict)
 
 
 PLANS: dict[str, Plan] = {}

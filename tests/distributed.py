@@ -27,3 +27,24 @@ def launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 300
     """`python launch/run.py ARGS`, which starts torchrun itself."""
     return subprocess.run([sys.executable, str(REPO / "launch" / "run.py"), *args], cwd=REPO,
                           env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+
+
+_REPORTS: dict[tuple, tuple[dict, dict]] = {}
+
+
+def parity_report(tmp_root: Path, mesh: str, nproc: int, *overrides: str, flavor: str = "debug",
+                  steps: int = 3) -> tuple[dict, dict]:
+    """Run tests/parity_worker.py once per distinct case in this pytest session; returns
+    (JSON report, step-0 full gradients by parameter name)."""
+    import json
+
+    import torch
+
+    key = (mesh, nproc, flavor, steps, overrides)
+    if key not in _REPORTS:
+        out = tmp_root / f"parity-{len(_REPORTS)}.json"
+        result = torchrun(nproc, REPO / "tests" / "parity_worker.py", mesh, str(out), str(steps),
+                          flavor, *overrides, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        _REPORTS[key] = json.loads(out.read_text()), torch.load(str(out) + ".grads.pt")
+    return _REPORTS[key]

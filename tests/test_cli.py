@@ -34,6 +34,10 @@ def assert_clean_error(result, *fragments):
     (["--set", "parallel.plan=nope"], ["unknown plan 'nope'"]),
     (["--mesh", "dp=3", "--set", "training.global_batch=16"], ["does not divide over 3"]),
     (["--config", "missing.yaml"], ["does not exist"]),
+    (["--mesh", "tp=8"], ["'layers.0.attention.wk'", "over tp=8 ranks"]),
+    (["--set", "parallel.reshard_after_forward=3"], ["must divide the FSDP shard size dp=4"]),
+    (["--set", "model.plugin=no_such_module"], ["model.plugin 'no_such_module' cannot be imported"]),
+    (["--set", "model.name=gpt2", "--set", "parallel.plan=llama"], ["matches no module of GPT2"]),
 ])
 def test_bad_input_without_torchrun(args, fragments):
     assert_clean_error(launcher(*args, timeout=60), *fragments)
@@ -72,3 +76,19 @@ def test_hsdp_with_tp_trains_on_eight_ranks(tmp_path):
     assert "mesh hsdp=2,dp=2,tp=2 on 8 ranks (cpu/gloo)" in result.stdout
     run = losses(tmp_path)
     assert len(run) == 4 and run[-1] < run[0]
+
+
+@pytest.mark.distributed
+def test_readme_command_with_integer_reshard_compile_and_explain(tmp_path):
+    """The default dp=4,tp=2 run with reshard_after_forward=2 and torch.compile, plus --explain."""
+    result = launcher("--mesh", "dp=4,tp=2", "--explain", "--set", "parallel.reshard_after_forward=2",
+                      "--set", "parallel.compile=true", "--set", "training.steps=3",
+                      "--set", f"run.dir={tmp_path}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout
+    assert "layers.0.attention.wq" in table and "ColwiseParallel" in table
+    block_row = next(line for line in table.splitlines() if line.startswith("layers.0 "))
+    assert "unit" in block_row and " 2 " in block_row and "yes" in block_row
+    assert "this rank holds" in table
+    run = losses(tmp_path)
+    assert len(run) == 3 and run[-1] < run[0]
