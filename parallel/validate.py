@@ -43,7 +43,7 @@ def validate_plan(model: nn.Module, plan: Plan, styles: dict, tp: int, sequence_
         what, size = split
         unit = next((fn(model) for pattern, fn in plan.shard_units.items() if path_matches(pattern, path)), 1)
         if size % (unit * tp):
-            detail = f" ({size // unit} units of {unit}, e.g. heads)" if unit > 1 else ""
+            detail = f" = {size // unit} units of {unit}, e.g. heads" if unit > 1 else ""
             raise UserError(
                 f"plan {plan.name!r}: {type(style).__name__} splits the {what} of {path!r} "
                 f"({size}{detail}) over tp={tp} ranks, which does not divide evenly. Use a tp "
