@@ -2,7 +2,8 @@
 
 1. tensor parallel on the TP sub-mesh (then shared weights are tied again),
 2. fully_shard on every block,
-3. fully_shard on the root, which takes the remaining parameters.
+3. fully_shard on the root, which takes the remaining parameters,
+4. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from parallel.mesh import ParallelDims
 from parallel.plan import Plan, expand
+from parallel.prefetch import apply_prefetch, prefetch_order
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims) -> None:
@@ -30,8 +32,11 @@ def apply_fsdp(model: nn.Module, plan: Plan, dims: ParallelDims) -> None:
     fully_shard(model, mesh=dims.fsdp)
 
 
-def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims, prefetch=None) -> nn.Module:
+    """`prefetch` is the config's PrefetchConfig; None keeps FSDP2's implicit prefetch."""
     if dims.tp_enabled:
         apply_tensor_parallel(model, plan, dims)
     apply_fsdp(model, plan, dims)
+    if prefetch is not None:
+        apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
     return model

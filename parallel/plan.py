@@ -23,6 +23,9 @@ class Plan:
     name: str
     blocks: str  # path glob of the repeated blocks, e.g. "layers.*"
     tensor_parallel: dict[str, ParallelStyle] = field(default_factory=dict)
+    # Block paths in forward execution order, for models that do not run their blocks in
+    # module order; None means module order. Used by explicit prefetch (parallel/prefetch.py).
+    prefetch_order: tuple[str, ...] | None = None
 
 
 PLANS: dict[str, Plan] = {}
