@@ -38,7 +38,7 @@ def step_record(step: int, result, seconds: float, shape: RunShape,
               "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / shape.world_size,
               "flops_per_s_per_rank": flops_per_rank, "step_s": seconds, "data_s": result.data_s,
               "forward_backward_s": result.forward_backward_s, "optimizer_s": result.optimizer_s,
-              "memory_gib": memory[0], "peak_memory_gib": memory[1]}
+              "memory_gib": memory[0], "peak_memory_gib": memory[1], "skipped": result.skipped}
     if shape.peak_flops:
         record["mfu"] = flops_per_rank / shape.peak_flops
     return record

@@ -115,6 +115,15 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     return result
 
 
+def logged_step(model, optimizer, scheduler, source, step: int, cfg, dims, device, log: StepLog,
+                shape: RunShape, unshard=None) -> StepResult:
+    """run_step, then its metrics (memory is a collective, so every rank calls this)."""
+    started = time.perf_counter()
+    result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard)
+    log.step(step, result, time.perf_counter() - started, shape, largest_over_ranks(device))
+    return result
+
+
 def run_shape(model, cfg, device) -> RunShape:
     t = cfg.training
     name, peak = device_peak_flops(device)
@@ -128,10 +137,8 @@ def train(model, cfg, source, dims, device, log: StepLog, unshard=None) -> list[
     log.describe(shape)
     results = []
     for step in range(cfg.training.steps):
-        started = time.perf_counter()
-        result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard)
+        result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard)
         results.append(result)
-        log.step(step, result, time.perf_counter() - started, shape, largest_over_ranks(device))
         if result.skipped and not cfg.metrics.skip_nonfinite:
             log.close()
             raise NonFiniteLoss(

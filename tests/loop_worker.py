@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,6 +41,8 @@ from tests.parity_worker import full, max_diff  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 SEED = 1234
 FLAVOR = "debug"
+# The data view of a one-rank run, for driving the reference through run_step.
+SINGLE_PROCESS = SimpleNamespace(data_rank=0, data_size=1, data=SimpleNamespace(get_group=lambda: None))
 
 # Sequence parallel on top of the llama plan, the torchtitan way: norms work on sequence
 # shards, attention and MLP gather the sequence first and scatter it again on the way out.
@@ -221,18 +224,8 @@ def check_accumulation(dims, cfg, source, reference) -> dict:
     for step in range(3):
         report["losses"].append(run_step(model, optimizer, scheduler, source, step, accumulated, dims, "cpu").loss)
         report["ref_losses"].append(run_step(reference, ref_optimizer, ref_scheduler, source, step, cfg,
-                                             SingleProcess(), "cpu").loss)
+                                             SINGLE_PROCESS, "cpu").loss)
     return report
-
-
-class SingleProcess:
-    """The data view of a one-rank run, for driving the reference through run_step."""
-    data_rank, data_size = 0, 1
-
-    class data:  # noqa: N801 - mirrors ParallelDims.data
-        @staticmethod
-        def get_group():
-            return None
 
 
 def check_norms(dims, cfg, source, plan: Plan) -> dict:
