@@ -190,7 +190,22 @@ def check_prefetch(dims, cfg, source) -> dict:
             "losses": losses == base_losses,
         }
     report["blocks"] = len(prefetch_order(model, plan))
+    report["custom_order_all_gathers"] = forward_all_gathers_with_custom_order(dims, cfg, source)
     return report
+
+
+def forward_all_gathers_with_custom_order(dims, cfg, source) -> list[int]:
+    """The units whose all-gathers the forward issues, in order, at forward depth 1 under
+    a plan that claims the blocks run as 1, 0, 3, 2 (they really run 0, 1, 2, 3)."""
+    plan = Plan(name="llama_custom_order", blocks="layers.*", tensor_parallel=get_plan("llama").tensor_parallel,
+                prefetch_order=("layers.1", "layers.0", "layers.3", "layers.2"))
+    model = sharded_model(plan, dims, PrefetchConfig(forward=1))
+    recorder = Recorder(model, [model.get_submodule(f"layers.{i}") for i in range(4)])
+    t = cfg.training
+    with torch.no_grad():
+        model(local_batch(source, 0, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)[0])
+    recorder.remove()
+    return [unit for kind, unit in recorder.events if kind == "all_gather"]
 
 
 def check_accumulation(dims, cfg, source, reference) -> dict:

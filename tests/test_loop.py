@@ -7,6 +7,7 @@ per mesh, several checks per launch.
   pre-forward. In backward, FSDP2's implicit schedule prefetches one block; depth 2 two.
   `unshard_ahead` N gathers the root and the first N blocks before the batch exists.
   Every depth gives bitwise the same step-0 loss and gradients and the same next losses.
+  A plan's own block order (Plan.prefetch_order) is the one prefetch follows.
 - Accumulation: one gradient reduction per FSDP unit per step with 1 or 4 micro-batches;
   4 micro-batches against the reference's one big batch: loss and every gradient within
   1e-5 absolute, the next losses (AdamW) within 1e-4.
@@ -59,6 +60,16 @@ def test_prefetch_issues_all_gathers_ahead_by_the_depth(reports):
     assert prefetch["depth0"]["gathered_before_batch"] == []
     for depth in (1, 2):
         assert prefetch[f"depth{depth}"]["gathered_before_batch"] == list(range(depth + 1))
+
+
+@pytest.mark.distributed
+def test_prefetch_follows_a_plans_custom_order(reports):
+    # Blocks run 0..3 (units 1..4) but the plan lists them as 1, 0, 3, 2 (units 2, 1, 4, 3),
+    # and prefetch follows the list literally: the root gathers itself and prefetches unit 2;
+    # block 0 gathers itself (1) and prefetches 4; block 1 prefetches 1 again, already
+    # resharded after its forward; block 2 gathers itself (3); block 3 prefetches 3 again.
+    # The wasted re-gathers are why a plan must give the real execution order.
+    assert reports("dp=2")["prefetch"]["custom_order_all_gathers"] == [0, 2, 1, 4, 1, 3, 3]
 
 
 @pytest.mark.distributed
