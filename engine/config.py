@@ -48,6 +48,7 @@ class TrainingConfig:
     global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
     seq_len: int = 64
     seed: int = 0
+    micro_batches: int = 1  # gradient accumulation: each rank's rows split into this many passes
 
 
 @dataclass
@@ -71,6 +72,16 @@ class DataConfig:
 @dataclass
 class MetricsConfig:
     log_every: int = 1
+    tensorboard: bool = False  # write scalars under run.dir/tensorboard
+    skip_nonfinite: bool = False  # a NaN/inf loss skips the update instead of stopping the run
+
+
+@dataclass
+class PrefetchConfig:
+    """FSDP2 all-gather prefetch (parallel/prefetch.py). 0 keeps FSDP2's implicit behaviour."""
+    forward: int = 0  # in forward, each block all-gathers the next N blocks ahead
+    backward: int = 0  # in backward, each block all-gathers the N blocks before it ahead
+    unshard_ahead: int = 0  # the loop unshards the root and the first N blocks before fetching the batch
 
 
 @dataclass
@@ -87,6 +98,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
 
 _CHOICES = {
@@ -98,7 +110,8 @@ _CHOICES = {
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
 }
 _POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
-             ("metrics", "log_every"), ("parallel", "checkpoint_every")}
+             ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches")}
+_NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead")}
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:
@@ -147,6 +160,8 @@ def _set(cfg: Config, dotted: str, value) -> None:
         raise UserError(f"config key {dotted} is {value!r}; accepted values: {', '.join(choices)}.")
     if (section_name, key) in _POSITIVE and value <= 0:
         raise UserError(f"config key {dotted} must be positive, but got {value}.")
+    if (section_name, key) in _NON_NEGATIVE and value < 0:
+        raise UserError(f"config key {dotted} must be 0 (FSDP2's implicit behaviour) or more, but got {value}.")
     setattr(section, key, value)
 
 

@@ -2,9 +2,11 @@
 
 torch's clip_grad_norm_ stacks every per-parameter norm into one tensor, which
 fails as soon as two parameters sit on different meshes (TP without sequence
-parallel leaves the norm weights on the data-parallel mesh only). Here the
-norms are grouped by (mesh, placements); each group is reduced on its own mesh
-and the group totals, now plain numbers equal on every rank, are combined.
+parallel leaves the norm weights on the data-parallel mesh only). Here each rank
+takes the norm of its local shards, and the partial results are reduced over the
+process groups of the mesh dimensions that split them. Partials that need the same
+groups are combined first, so each distinct set of groups costs one all-reduce per
+group however many layouts share it; the totals, equal on every rank, are combined.
 """
 
 from __future__ import annotations
@@ -17,41 +19,37 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _group_key(grad: torch.Tensor):
-    if isinstance(grad, DTensor):
-        return (grad.device_mesh, tuple(grad.placements))
-    return None
+def _splitting_groups(grad: torch.Tensor) -> tuple:
+    """The process groups over which this gradient's shards must be combined.
+    Replicated dimensions already hold the whole value and are left out."""
+    if not isinstance(grad, DTensor):
+        return ()
+    # Not is_shard(): FSDP over TP uses _StridedShard, which does not count as a Shard.
+    return tuple(grad.device_mesh.get_group(dim)
+                 for dim, placement in enumerate(grad.placements) if not placement.is_replicate())
 
 
-def _reduce_over_shards(local: torch.Tensor, key, norm_type: float) -> torch.Tensor:
-    """Combine per-rank partial results over the mesh dimensions that shard the group.
-    Replicated dimensions already hold the whole value and are left alone."""
-    if key is None:
-        return local
-    mesh, placements = key
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    for dim, placement in enumerate(placements):
-        # Not is_shard(): FSDP over TP uses _StridedShard, which does not count as a Shard.
-        if not placement.is_replicate():
-            dist.all_reduce(local, op=op, group=mesh.get_group(dim))
-    return local
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 @torch.no_grad()
 def grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients taken together, as if each were one full tensor."""
-    groups: dict[object, list[torch.Tensor]] = {}
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
-            groups.setdefault(_group_key(param.grad), []).append(param.grad)
+            by_groups.setdefault(_splitting_groups(param.grad), []).append(_local(param.grad))
     inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = torch.tensor(0.0)
-    for key, grads in groups.items():  # insertion order: the same on every rank
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in local])
+    for groups, grads in by_groups.items():  # insertion order: the same on every rank
+        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
         # Partial results: the max for the inf-norm, else the sum of |g|^p.
         partial = norms.max() if inf else norms.pow(norm_type).sum()
-        partial = _reduce_over_shards(partial, key, norm_type).cpu()
+        for group in groups:
+            dist.all_reduce(partial, op=op, group=group)
+        partial = partial.cpu()
         total = torch.maximum(total, partial) if inf else total + partial
     return total if inf else total.pow(1.0 / norm_type)
 
@@ -65,7 +63,6 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float,
     if max_norm > 0 and math.isfinite(total.item()):
         scale = min(1.0, max_norm / (total.item() + 1e-6))
         if scale < 1.0:
-            for param in parameters:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+            # On the local shards in one call: a DTensor op per gradient costs a dispatch each.
+            torch._foreach_mul_([_local(p.grad) for p in parameters if p.grad is not None], scale)
     return total

@@ -1,4 +1,5 @@
-"""What a run shows: one line per step on rank 0, a JSON line per step on disk, a summary.
+"""What a run shows: one line per step on rank 0, a JSON line per step on disk, TensorBoard
+scalars when asked, a summary.
 
 The JSON lines are flushed every step, so a crash loses at most the step in flight.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -18,9 +20,38 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+@dataclass
+class RunShape:
+    """What stays fixed over a run and turns step times into rates."""
+    tokens_per_step: int
+    world_size: int
+    flops_per_token: float
+    device_name: str
+    peak_flops: float | None  # per device; None when the device is not in engine/throughput.py
+
+
+def step_record(step: int, result, seconds: float, shape: RunShape,
+                memory: tuple[float, float]) -> dict[str, float]:
+    tokens_per_s = shape.tokens_per_step / seconds
+    flops_per_rank = shape.flops_per_token * tokens_per_s / shape.world_size
+    record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+              "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / shape.world_size,
+              "flops_per_s_per_rank": flops_per_rank, "step_s": seconds, "data_s": result.data_s,
+              "forward_backward_s": result.forward_backward_s, "optimizer_s": result.optimizer_s,
+              "memory_gib": memory[0], "peak_memory_gib": memory[1], "skipped": result.skipped}
+    if shape.peak_flops:
+        record["mfu"] = flops_per_rank / shape.peak_flops
+    return record
+
+
+def _flops_text(record: dict) -> str:
+    achieved = f"{record['flops_per_s_per_rank'] / 1e9:,.1f} GFLOP/s/rank"
+    return f"{achieved} (MFU {record['mfu']:.1%})" if "mfu" in record else achieved
+
+
 class StepLog:
     def __init__(self, total_steps: int, run_dir: str | Path | None, enabled: bool,
-                 every: int = 1, stream=sys.stdout):
+                 every: int = 1, stream=sys.stdout, tensorboard: bool = False):
         self.total_steps = total_steps
         self.enabled = enabled
         self.every = every
@@ -28,15 +59,29 @@ class StepLog:
         self.started = time.perf_counter()
         self.step_seconds: list[float] = []
         self.jsonl = None
+        self.writer = None
         if enabled and run_dir is not None:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl = open(Path(run_dir) / "metrics.jsonl", "w")
+            if tensorboard:
+                # Imported only when asked: it pulls in the tensorboard package.
+                from torch.utils.tensorboard import SummaryWriter
+                logdir = Path(run_dir) / "tensorboard"
+                self.writer = SummaryWriter(str(logdir))
+                self.print(f"tensorboard: tensorboard --logdir {logdir}")
 
     def print(self, text: str) -> None:
         if self.enabled:
             print(text, file=self.stream, flush=True)
 
-    def step(self, step: int, result, tokens: int, seconds: float) -> None:
+    def describe(self, shape: RunShape) -> None:
+        peak = (f"MFU against {shape.peak_flops / 1e12:,.0f} TFLOP/s dense BF16 per device"
+                if shape.peak_flops else "no peak known, so achieved FLOP/s instead of MFU")
+        self.print(f"device {shape.device_name}: {shape.flops_per_token / 1e6:,.1f} MFLOP per token "
+                   f"(6N + attention), {peak}")
+
+    def step(self, step: int, result, seconds: float, shape: RunShape,
+             memory: tuple[float, float]) -> None:
         self.step_seconds.append(seconds)
         if not self.enabled:
             return
@@ -44,17 +89,24 @@ class StepLog:
         # The first step pays for warm-up; later steps predict the rest better.
         recent = self.step_seconds[1:] or self.step_seconds
         remaining = sum(recent[-10:]) / len(recent[-10:]) * (self.total_steps - step - 1)
-        record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
-                  "lr": result.lr, "tokens_per_s": tokens / seconds, "step_s": seconds}
+        record = step_record(step, result, seconds, shape, memory)
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
+        if self.writer:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, step)
         if step % self.every == 0 or step == self.total_steps - 1:
             width = len(str(self.total_steps))
+            skipped = " | SKIPPED (non-finite loss)" if result.skipped else ""
             self.print(f"step {step + 1:>{width}}/{self.total_steps} | loss {result.loss:.4f} | "
                        f"grad norm {result.grad_norm:.3f} | lr {result.lr:.2e} | "
-                       f"{tokens / seconds:,.0f} tok/s | elapsed {_clock(elapsed)} | "
-                       f"eta {_clock(remaining)}")
+                       f"{record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_rank']:,.0f}/rank) | "
+                       f"{_flops_text(record)} | data {result.data_s:.3f}s fwd+bwd "
+                       f"{result.forward_backward_s:.3f}s optim {result.optimizer_s:.3f}s | "
+                       f"mem {memory[0]:.2f}/{memory[1]:.2f} GiB max rank | "
+                       f"elapsed {_clock(elapsed)} | eta {_clock(remaining)}{skipped}")
 
     def summary(self, results, tokens: int) -> None:
         if not self.enabled or not results:
@@ -64,5 +116,10 @@ class StepLog:
             f"done: {len(results)} steps in {_clock(time.perf_counter() - self.started)} | "
             f"loss {results[0].loss:.4f} -> {results[-1].loss:.4f} | "
             f"{tokens * len(steady) / sum(steady):,.0f} tok/s after the first step")
+        self.close()
+
+    def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+        if self.writer:
+            self.writer.close()

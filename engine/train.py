@@ -14,12 +14,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from engine.data import local_batch
+from engine.errors import NonFiniteLoss
 from engine.grad_norm import clip_grad_norm
-from engine.metrics import StepLog
+from engine.memory import largest_over_ranks
+from engine.metrics import RunShape, StepLog
+from engine.throughput import device_peak_flops
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):
@@ -44,17 +48,6 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def forward_backward(model, inputs, targets) -> torch.Tensor:
-    """Loss and gradients for one batch. Vocabulary-sharded logits (loss parallel) need
-    the loss and its backward inside loss_parallel(); the loss comes back as a plain tensor."""
-    logits = model(inputs)
-    sharded = isinstance(logits, DTensor)
-    with loss_parallel() if sharded else nullcontext():
-        loss = loss_fn(logits, targets)
-        loss.backward()
-    return loss.full_tensor() if sharded else loss
-
-
 def global_mean(value: torch.Tensor, group) -> float:
     """Average a scalar over the data-parallel ranks (gloo has no AVG, so SUM then divide)."""
     if group is None:
@@ -69,31 +62,96 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    data_s: float = 0.0
+    forward_backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    skipped: bool = False  # the loss was NaN or inf, so the parameters were not updated
+
+
+def forward_backward(model, inputs, targets, micro_batches: int = 1) -> torch.Tensor:
+    """Accumulate the gradient of this rank's mean loss over `micro_batches` equal slices.
+    Each slice's mean is divided by their count, so the sum is the mean over all rows and
+    the gradient is that of one big batch. FSDP reduce-scatters only after the last slice.
+    Vocabulary-sharded logits (loss parallel) need the loss and its backward inside
+    loss_parallel(); the returned loss is a plain tensor either way."""
+    total = torch.zeros((), device=inputs.device)
+    for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(index == micro_batches - 1)
+        logits = model(x)
+        sharded = isinstance(logits, DTensor)
+        with loss_parallel() if sharded else nullcontext():
+            loss = loss_fn(logits, y) / micro_batches
+            loss.backward()
+        total += (loss.full_tensor() if sharded else loss).detach()
+    return total
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
-               data_group=None) -> StepResult:
+               data_group=None, micro_batches: int = 1) -> StepResult:
     lr = scheduler.get_last_lr()[0]
-    loss = forward_backward(model, inputs, targets)
-    norm = clip_grad_norm(model.parameters(), max_norm)
-    optimizer.step()
+    started = time.perf_counter()
+    # The mean is taken before the update so that every rank sees the same value and
+    # takes the same branch below; reading it also waits for the backward on a GPU.
+    loss = global_mean(forward_backward(model, inputs, targets, micro_batches), data_group)
+    computed = time.perf_counter()
+    skipped = not math.isfinite(loss)
+    norm = clip_grad_norm(model.parameters(), max_norm).item()
+    if not skipped:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=global_mean(loss, data_group), grad_norm=norm.item(), lr=lr)
+    return StepResult(loss=loss, grad_norm=norm, lr=lr, forward_backward_s=computed - started,
+                      optimizer_s=time.perf_counter() - computed, skipped=skipped)
 
 
-def train(model, cfg, source, dims, device, log: StepLog) -> list[StepResult]:
-    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
+             unshard=None) -> StepResult:
+    """One optimizer step of the loop: this rank's rows of batch `step`, then train_step.
+    `unshard` starts the first all-gathers so that they overlap with building the batch."""
+    started = time.perf_counter()
+    if unshard is not None:
+        unshard()
     t = cfg.training
-    tokens_per_step = t.global_batch * t.seq_len
+    inputs, targets = local_batch(source, step, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+    inputs, targets = inputs.to(device), targets.to(device)
+    data_s = time.perf_counter() - started
+    result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
+                        dims.data.get_group(), t.micro_batches)
+    result.data_s = data_s
+    return result
+
+
+def logged_step(model, optimizer, scheduler, source, step: int, cfg, dims, device, log: StepLog,
+                shape: RunShape, unshard=None) -> StepResult:
+    """run_step, then its metrics (memory is a collective, so every rank calls this)."""
+    started = time.perf_counter()
+    result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard)
+    log.step(step, result, time.perf_counter() - started, shape, largest_over_ranks(device))
+    return result
+
+
+def run_shape(model, cfg, device) -> RunShape:
+    t = cfg.training
+    name, peak = device_peak_flops(device)
+    return RunShape(tokens_per_step=t.global_batch * t.seq_len, world_size=dist.get_world_size(),
+                    flops_per_token=model.flops_per_token(t.seq_len), device_name=name, peak_flops=peak)
+
+
+def train(model, cfg, source, dims, device, log: StepLog, unshard=None) -> list[StepResult]:
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+    shape = run_shape(model, cfg, device)
+    log.describe(shape)
     results = []
-    for step in range(t.steps):
-        started = time.perf_counter()
-        inputs, targets = local_batch(source, step, t.global_batch, t.seq_len,
-                                      dims.data_rank, dims.data_size)
-        result = train_step(model, optimizer, scheduler, inputs.to(device), targets.to(device),
-                            cfg.optim.max_norm, dims.data.get_group())
+    for step in range(cfg.training.steps):
+        result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard)
         results.append(result)
-        log.step(step, result, tokens_per_step, time.perf_counter() - started)
-    log.summary(results, tokens_per_step)
+        if result.skipped and not cfg.metrics.skip_nonfinite:
+            log.close()
+            raise NonFiniteLoss(
+                f"the loss is {result.loss} at step {step + 1} (counting from 1); the run stops "
+                f"before updating the parameters with it. Last good checkpoint: none (this engine "
+                f"does not write checkpoints yet). Lower optim.lr or optim.max_norm, or set "
+                f"metrics.skip_nonfinite=true to skip such steps.")
+    log.summary(results, shape.tokens_per_step)
     return results

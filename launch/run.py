@@ -9,6 +9,7 @@ plan, materialise, loop. Bad input exits with code 2 and one paragraph.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -20,7 +21,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from engine.config import load_config  # noqa: E402
-from engine.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from engine.errors import EXIT_NONFINITE_LOSS, EXIT_USER_ERROR, NonFiniteLoss, UserError  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "configs" / "debug.yaml"
@@ -86,6 +87,11 @@ def check(args: argparse.Namespace, world_size: int | None):
     if spec.tp > 1 and cfg.parallel.sequence_parallel and cfg.training.seq_len % spec.tp:
         raise UserError(f"training.seq_len={cfg.training.seq_len} does not split over tp={spec.tp} "
                         f"with parallel.sequence_parallel=true. Use a multiple of {spec.tp}.")
+    micro = cfg.training.micro_batches
+    if cfg.training.global_batch % (data_size * micro):
+        raise UserError(f"training.global_batch={cfg.training.global_batch} does not split into "
+                        f"training.micro_batches={micro} equal micro-batches on each of {data_size} "
+                        f"data-parallel ranks. Use a global batch that is a multiple of {data_size * micro}.")
     if cfg.training.seq_len > args_.max_seq_len:
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
                         f"{args_.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
@@ -127,6 +133,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     from parallel.apply import apply_plan
     from parallel.mesh import build_mesh
     from parallel.plan import get_plan
+    from parallel.prefetch import prefetch_order, unshard_ahead
 
     device_type, backend = pick_device(cfg)
     plan = get_plan(cfg.parallel.plan)
@@ -136,19 +143,21 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     dist.init_process_group(backend)
     dims = build_mesh(spec, device_type)
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
-                  every=cfg.metrics.log_every)
+                  every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard)
     log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device_type}/{backend}) | "
               f"model {cfg.model.name}/{cfg.model.flavor} | plan {plan.name}")
 
     model = build_on_meta(cfg.model.name, cfg.model.flavor)
     log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    applied = apply_plan(model, plan, dims, cfg.parallel)
+    applied = apply_plan(model, plan, dims, cfg.parallel, cfg.prefetch)
     if show_plan:
         from parallel.explain import explain
         log.print(explain(model, applied))
     materialise(model, device, cfg.training.seed)
     source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
-    train(model, cfg, source, dims, device, log)
+    ahead = cfg.prefetch.unshard_ahead
+    unshard = functools.partial(unshard_ahead, model, prefetch_order(model, plan), ahead) if ahead else None
+    train(model, cfg, source, dims, device, log, unshard)
     dist.destroy_process_group()
 
 
@@ -176,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         if is_rank_zero():
             print(f"error: {err}", file=sys.stderr)
         exit_now(EXIT_USER_ERROR)
+    except NonFiniteLoss as err:  # every rank sees the same global loss, so all stop here
+        if is_rank_zero():
+            print(f"error: {err}", file=sys.stderr)
+        exit_now(EXIT_NONFINITE_LOSS)
     except BaseException:  # a bug, not bad input: keep the traceback, still exit cleanly
         traceback.print_exc()
         exit_now(1)

@@ -4,7 +4,8 @@
 2. activation checkpointing, per block,
 3. torch.compile, per block,
 4. fully_shard on every block (with the reshard-after-forward setting),
-5. fully_shard on the root, which takes the remaining parameters.
+5. fully_shard on the root, which takes the remaining parameters,
+6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
 AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
 the recomputed and compiled regions.
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from engine.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.plan import Plan, expand
+from parallel.prefetch import apply_prefetch, prefetch_order
 from parallel.validate import validate_plan
 from parallel.reshard import (build_post_forward_mesh, check_supported, install_post_forward_mesh,
                               resolve_reshard)
@@ -151,7 +153,8 @@ class AppliedPlan:
 
 
 def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
-               options: ParallelConfig | None = None) -> AppliedPlan:
+               options: ParallelConfig | None = None, prefetch=None) -> AppliedPlan:
+    """`prefetch` is the config's PrefetchConfig; None keeps FSDP2's implicit prefetch."""
     options = options or ParallelConfig()
     applied = AppliedPlan(plan, options, blocks=expand(model, plan.blocks, plan.name))
     blocks = [model.get_submodule(path) for path in applied.blocks]
@@ -163,4 +166,6 @@ def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
         apply_compile(model, blocks, list(applied.tp_styles), applied.blocks)
         applied.compiled = list(applied.blocks)
     applied.block_reshard = apply_fsdp(model, blocks, dims, options)
+    if prefetch is not None:
+        apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
     return applied

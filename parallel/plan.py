@@ -35,6 +35,9 @@ class Plan:
     # Path glob -> the width of one indivisible unit along the dimension TP splits
     # (an attention head), given the model: lambda model: model.args.head_dim.
     shard_units: dict[str, Callable[[nn.Module], int]] = field(default_factory=dict)
+    # Block paths in forward execution order, for models that do not run their blocks in
+    # module order; None means module order. Used by explicit prefetch (parallel/prefetch.py).
+    prefetch_order: tuple[str, ...] | None = None
 
 
 PLANS: dict[str, Plan] = {}
