@@ -20,7 +20,7 @@ def _clock(seconds: float) -> str:
 
 class StepLog:
     def __init__(self, total_steps: int, run_dir: str | Path | None, enabled: bool,
-                 every: int = 1, stream=sys.stdout):
+                 every: int = 1, stream=sys.stdout, append: bool = False):
         self.total_steps = total_steps
         self.enabled = enabled
         self.every = every
@@ -30,7 +30,8 @@ class StepLog:
         self.jsonl = None
         if enabled and run_dir is not None:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "w")
+            # A resumed run appends: its steps follow the ones logged before the restart.
+            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a" if append else "w")
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -69,12 +69,14 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
     return StepResult(loss=global_mean(loss, data_group), grad_norm=norm.item(), lr=lr)
 
 
-def train(model, cfg, source, dims, device, log: StepLog) -> list[StepResult]:
+def train(model, cfg, source, dims, device, log: StepLog, checkpoint=None) -> list[StepResult]:
+    """`checkpoint` (an engine.checkpoint.Checkpointer) restores state and saves it."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+    start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
     t = cfg.training
     tokens_per_step = t.global_batch * t.seq_len
     results = []
-    for step in range(t.steps):
+    for step in range(start, t.steps):
         started = time.perf_counter()
         inputs, targets = local_batch(source, step, t.global_batch, t.seq_len,
                                       dims.data_rank, dims.data_size)
@@ -82,5 +84,9 @@ def train(model, cfg, source, dims, device, log: StepLog) -> list[StepResult]:
                             cfg.optim.max_norm, dims.data.get_group())
         results.append(result)
         log.step(step, result, tokens_per_step, time.perf_counter() - started)
+        if checkpoint:
+            checkpoint.step_finished(step)
+    if checkpoint:
+        checkpoint.close()
     log.summary(results, tokens_per_step)
     return results
