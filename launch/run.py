@@ -138,13 +138,14 @@ def train_on_mesh(cfg, spec: MeshSpec) -> None:
     from parallel.apply import apply_plan
     from parallel.mesh import build_mesh
     from parallel.plan import get_plan
+    from parallel.process_group import init_process_group
 
     device_type, backend = pick_device(cfg)
     plan = get_plan(cfg.parallel.plan)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    dist.init_process_group(backend)
+    init_process_group(backend)
     dims = build_mesh(spec, device_type)
     resume_from = find_checkpoint(cfg)
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
