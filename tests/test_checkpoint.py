@@ -116,6 +116,23 @@ def test_reshard_first_loss_matches(reference, tmp_path, mesh):
     assert abs(first["loss"] - expected) <= 1e-5
 
 
+@pytest.mark.distributed
+def test_reshard_from_eight_ranks(tmp_path):
+    """The issue's source layout dp=4,tp=2 (the one 8-rank case), loaded on 4 ranks at tp=4."""
+    source = tmp_path / "source"
+    saved = launcher("--mesh", "dp=4,tp=2", "--set", "training.steps=3", "--set", "checkpoint.every=2",
+                     "--set", f"run.dir={source}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    loaded = launcher("--mesh", "tp=4", "--resume", str(checkpoint(source, 2)), "--set", "training.steps=3",
+                      "--set", f"run.dir={tmp_path / 'loaded'}")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "data-parallel size 4 -> 1" in loaded.stdout
+    ours, expected = losses(tmp_path / "loaded")[0], losses(source)[2]
+    print(f"dp=4,tp=2 -> tp=4: first loss after loading {ours!r}, reference {expected!r}, "
+          f"diff {abs(ours - expected):.2e}")
+    assert abs(ours - expected) <= 1e-5
+
+
 def test_export_loads_into_plain_model(reference, tmp_path):
     exported = torch.load(reference / "final.pt", weights_only=True)
     from_dcp = full_checkpoint(checkpoint(reference, STEPS), tmp_path)["model"]
