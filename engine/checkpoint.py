@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -64,16 +65,13 @@ class Checkpointer:
         # async save's background thread never shares a group with the training step.
         self.group = dist.new_group(backend="gloo")
         self.pending = None  # (future, partial folder, meta) of an async save in flight
+        self.model = self.optimizer = self.scheduler = None  # given by resume()
 
-    def _rng_key(self, saved_world_size: int) -> str:
-        """This rank's saved RNG states, or rank 0's when the world size changed (then rank
-        numbers no longer name the same work)."""
-        return f"rng.rank{self.rank}" if saved_world_size == dist.get_world_size() else "rng.rank0"
-
-    def _state(self, model, optimizer, scheduler, step: int, rng_key: str) -> dict:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        return {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
-                "train": {"step": step}, "rng": {rng_key.split(".")[1]: _rng_state()}}
+    def _state(self, step: int, rng_owner: int) -> dict:
+        """What a checkpoint holds; loading fills the same structure in place."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
+                "train": {"step": step}, "rng": {f"rank{rng_owner}": _rng_state()}}
 
     def resume(self, model, optimizer, scheduler) -> int:
         """Load the checkpoint (or the init_from weights) into place; returns the first step."""
@@ -86,8 +84,10 @@ class Checkpointer:
             return 0
         folder = self.resume_from
         meta = store.read_meta(folder)
-        rng_key = self._rng_key(meta["world_size"])
-        state = self._state(model, optimizer, scheduler, 0, rng_key)
+        same_world = meta["world_size"] == dist.get_world_size()
+        # With another world size, rank numbers no longer name the same work: all take rank 0's.
+        rng_owner = self.rank if same_world else 0
+        state = self._state(0, rng_owner)
         try:
             dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
         except CheckpointException as err:
@@ -95,13 +95,13 @@ class Checkpointer:
                             f"It is damaged; resume from an earlier folder with --resume FOLDER.") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"][rng_key.split(".")[1]])
+        _set_rng_state(state["rng"][f"rank{rng_owner}"])
         step = state["train"]["step"]
         saved_data, data = meta["data_size"], self.dims.data_size
         carried = ("same data-parallel size" if saved_data == data else
                    f"data-parallel size {saved_data} -> {data}: each data rank builds its own rows of "
                    f"global batch {step}, so nothing is converted")
-        rng = ("each rank's own" if meta["world_size"] == dist.get_world_size() else
+        rng = ("each rank's own" if same_world else
                f"rank 0's on every rank, since the world size changed from {meta['world_size']}")
         self.log.print(f"resumed from {folder} (saved on mesh {meta['mesh']}) after {step} steps; "
                        f"data position = step {step}, since sample i of step s depends only on "
@@ -130,7 +130,7 @@ class Checkpointer:
         if self.rank == 0 and partial.exists():
             shutil.rmtree(partial)  # left by a crash during an earlier attempt at this step
         dist.barrier(group=self.group)
-        state = self._state(self.model, self.optimizer, self.scheduler, step, f"rng.rank{self.rank}")
+        state = self._state(step, self.rank)
         meta = self._meta(step)
         try:
             if self.cfg.checkpoint.async_save:
@@ -159,7 +159,7 @@ class Checkpointer:
             final = store.commit(partial, meta, self.cfg.checkpoint.keep)
             self.log.print(f"checkpoint step {meta['step']} -> {final}")
 
-    def _failed(self, partial: Path, step: int, err: BaseException):
+    def _failed(self, partial: Path, step: int, err: BaseException) -> NoReturn:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # give back the space a full disk needs
         latest = store.latest(self.root)
