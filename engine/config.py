@@ -90,6 +90,17 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps and at the end; 0 saves nothing
+    keep: int = 3  # complete checkpoints to keep, newest first; 0 keeps all
+    async_save: bool = False  # write in a background thread while training goes on
+    resume: str = "auto"  # auto, always or never (docs/checkpoint.md)
+    resume_from: str = ""  # a checkpoint folder or run folder to resume from, instead of run.dir
+    init_from: str = ""  # a single-file full state dict (an export) whose weights start the run
+    export: str = ""  # write the final weights to this single file (torch.save of full tensors)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -99,6 +110,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 _CHOICES = {
@@ -108,10 +120,12 @@ _CHOICES = {
     ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),
     ("parallel", "param_dtype"): ("float32", "bfloat16"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
+    ("checkpoint", "resume"): ("auto", "always", "never"),
 }
 _POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
              ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches")}
-_NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead")}
+_NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead"),
+                 ("checkpoint", "every"), ("checkpoint", "keep")}
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:
@@ -161,7 +175,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if (section_name, key) in _POSITIVE and value <= 0:
         raise UserError(f"config key {dotted} must be positive, but got {value}.")
     if (section_name, key) in _NON_NEGATIVE and value < 0:
-        raise UserError(f"config key {dotted} must be 0 (FSDP2's implicit behaviour) or more, but got {value}.")
+        raise UserError(f"config key {dotted} must be 0 or more, but got {value}.")
     setattr(section, key, value)
 
 

@@ -51,7 +51,7 @@ def _flops_text(record: dict) -> str:
 
 class StepLog:
     def __init__(self, total_steps: int, run_dir: str | Path | None, enabled: bool,
-                 every: int = 1, stream=sys.stdout, tensorboard: bool = False):
+                 every: int = 1, stream=sys.stdout, tensorboard: bool = False, append: bool = False):
         self.total_steps = total_steps
         self.enabled = enabled
         self.every = every
@@ -62,7 +62,8 @@ class StepLog:
         self.writer = None
         if enabled and run_dir is not None:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "w")
+            # A resumed run appends: its steps follow the ones logged before the restart.
+            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a" if append else "w")
             if tensorboard:
                 # Imported only when asked: it pulls in the tensorboard package.
                 from torch.utils.tensorboard import SummaryWriter

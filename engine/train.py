@@ -138,20 +138,28 @@ def run_shape(model, cfg, device) -> RunShape:
                     flops_per_token=model.flops_per_token(t.seq_len), device_name=name, peak_flops=peak)
 
 
-def train(model, cfg, source, dims, device, log: StepLog, unshard=None) -> list[StepResult]:
+def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
+          checkpoint=None) -> list[StepResult]:
+    """`checkpoint` (an engine.checkpoint.Checkpointer) restores state and saves it."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+    start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
     shape = run_shape(model, cfg, device)
     log.describe(shape)
     results = []
-    for step in range(cfg.training.steps):
+    for step in range(start, cfg.training.steps):
         result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard)
         results.append(result)
         if result.skipped and not cfg.metrics.skip_nonfinite:
             log.close()
+            last_good = checkpoint.last_complete() if checkpoint else None
             raise NonFiniteLoss(
                 f"the loss is {result.loss} at step {step + 1} (counting from 1); the run stops "
-                f"before updating the parameters with it. Last good checkpoint: none (this engine "
-                f"does not write checkpoints yet). Lower optim.lr or optim.max_norm, or set "
+                f"before updating the parameters with it. Last good checkpoint: "
+                f"{last_good or 'none'}. Lower optim.lr or optim.max_norm, or set "
                 f"metrics.skip_nonfinite=true to skip such steps.")
+        if checkpoint:
+            checkpoint.step_finished(step)
+    if checkpoint:
+        checkpoint.close()
     log.summary(results, shape.tokens_per_step)
     return results

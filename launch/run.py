@@ -37,6 +37,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="print, before training, what the plan did to each module")
     parser.add_argument("--nproc", type=int, help="processes to start when not under torchrun "
                         "(default: the mesh's size)")
+    parser.add_argument("--resume", nargs="?", const="", metavar="FOLDER",
+                        help="resume from the run folder's latest checkpoint, or from FOLDER "
+                        "(sets checkpoint.resume=always; see docs/checkpoint.md)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when not under torchrun: restart all ranks up to N times after a "
+                        "failure; each restart resumes from the latest checkpoint")
     return parser.parse_args(argv)
 
 
@@ -53,6 +59,9 @@ def check(args: argparse.Namespace, world_size: int | None):
     cfg = load_config(args.config, args.overrides)
     if args.mesh is not None:
         cfg.parallel.mesh = args.mesh
+    if args.resume is not None:
+        cfg.checkpoint.resume = "always"
+        cfg.checkpoint.resume_from = args.resume or cfg.checkpoint.resume_from
     spec = parse_mesh(cfg.parallel.mesh)
     if world_size is None:
         world_size = spec.world_size
@@ -95,15 +104,31 @@ def check(args: argparse.Namespace, world_size: int | None):
     if cfg.training.seq_len > args_.max_seq_len:
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
                         f"{args_.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
+    find_checkpoint(cfg)
     return cfg, spec
 
 
-def relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
+def find_checkpoint(cfg) -> Path | None:
+    """The checkpoint folder to resume from, or None. Every way a checkpoint or an
+    init_from file can be wrong surfaces here, before any process group exists."""
+    from engine.checkpoint_store import resume_folder, state_dict_shapes
+    from engine.config import to_dict
+    from models import build_on_meta
+    init_from = cfg.checkpoint.init_from
+    if init_from and not Path(init_from).is_file():
+        raise UserError(f"checkpoint.init_from {init_from!r} does not exist. Give a file written "
+                        f"by checkpoint.export.")
+    expected = state_dict_shapes(build_on_meta(cfg.model.name, cfg.model.flavor))
+    return resume_folder(to_dict(cfg), cfg.checkpoint, cfg.run.dir, expected, cfg.training.steps)
+
+
+def relaunch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     """Replace this process by torchrun running this script on `nproc` local ranks."""
     # One thread per rank unless the user chose: ranks share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(Path(__file__).resolve()), *argv]
+               f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+               str(Path(__file__).resolve()), *argv]
     sys.stdout.flush()
     os.execv(sys.executable, command)
 
@@ -125,6 +150,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
+    from engine.checkpoint import Checkpointer
     from engine.data import build_source
     from engine.metrics import StepLog
     from engine.train import train
@@ -134,16 +160,19 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     from parallel.mesh import build_mesh
     from parallel.plan import get_plan
     from parallel.prefetch import prefetch_order, unshard_ahead
+    from parallel.process_group import init_process_group
 
     device_type, backend = pick_device(cfg)
     plan = get_plan(cfg.parallel.plan)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    dist.init_process_group(backend)
+    init_process_group(backend)
     dims = build_mesh(spec, device_type)
+    resume_from = find_checkpoint(cfg)
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
-                  every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard)
+                  every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,
+                  append=resume_from is not None)
     log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device_type}/{backend}) | "
               f"model {cfg.model.name}/{cfg.model.flavor} | plan {plan.name}")
 
@@ -157,7 +186,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
     ahead = cfg.prefetch.unshard_ahead
     unshard = functools.partial(unshard_ahead, model, prefetch_order(model, plan), ahead) if ahead else None
-    train(model, cfg, source, dims, device, log, unshard)
+    train(model, cfg, source, dims, device, log, unshard, Checkpointer(cfg, dims, log, resume_from))
     dist.destroy_process_group()
 
 
@@ -179,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
-            relaunch_under_torchrun(spec.world_size, argv)
+            relaunch_under_torchrun(spec.world_size, argv, args.max_restarts)
         train_on_mesh(cfg, spec, show_plan=args.explain)
     except UserError as err:
         if is_rank_zero():

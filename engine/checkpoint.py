@@ -1,0 +1,180 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) of a training run, and resume.
+
+A checkpoint holds the sharded model and optimizer (as DTensors keyed by
+parameter name, so any mesh can load them), the LR scheduler, the step and each
+rank's RNG states. The data position is the step itself: sample i of step s is
+a pure function of (seed, s, i) (engine/data.py), so it carries over to any
+data-parallel size unchanged. On-disk layout and the all-or-nothing rules live
+in engine/checkpoint_store.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from engine import checkpoint_store as store
+from engine.config import to_dict
+from engine.errors import UserError
+from engine.export import export_full, import_full
+
+
+def _rng_state() -> tuple[bytes, bytes]:
+    """(CPU, CUDA) generator states as plain bytes: DCP stores a tuple of bytes as one object
+    per rank, where a tensor would count as replicated and keep only one rank's copy."""
+    cuda = torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else b""
+    return torch.get_rng_state().numpy().tobytes(), cuda
+
+
+def _set_rng_state(state: tuple[bytes, bytes]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(cuda), dtype=torch.uint8))
+
+
+def _root_cause(err: BaseException) -> str:
+    failures = getattr(err, "failures", None)
+    if failures:
+        rank, cause = next(iter(failures.items()))
+        if isinstance(cause, tuple):  # DCP keeps (exception, traceback frames) per rank
+            cause = cause[0]
+        return f"rank {rank}: {cause}"
+    return str(err)
+
+
+class Checkpointer:
+    """Saves every `checkpoint.every` steps and at the end; resumes from `resume_from`."""
+
+    def __init__(self, cfg, dims, log, resume_from: Path | None):
+        self.cfg = cfg
+        self.dims = dims
+        self.log = log
+        self.resume_from = resume_from
+        self.root = store.checkpoints_dir(cfg.run.dir)
+        self.rank = dist.get_rank()
+        # DCP's own collectives go through a gloo group: CPU objects on any backend, and an
+        # async save's background thread never shares a group with the training step.
+        self.group = dist.new_group(backend="gloo")
+        self.pending = None  # (future, partial folder, meta) of an async save in flight
+        self.model = self.optimizer = self.scheduler = None  # given by resume()
+
+    def _state(self, step: int, rng_owner: int) -> dict:
+        """What a checkpoint holds; loading fills the same structure in place."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
+                "train": {"step": step}, "rng": {f"rank{rng_owner}": _rng_state()}}
+
+    def resume(self, model, optimizer, scheduler) -> int:
+        """Load the checkpoint (or the init_from weights) into place; returns the first step."""
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if self.resume_from is None:
+            if self.cfg.checkpoint.init_from:
+                import_full(model, self.cfg.checkpoint.init_from)
+                self.log.print(f"weights from {self.cfg.checkpoint.init_from} (optimizer, schedule "
+                               f"and data start fresh at step 0)")
+            return 0
+        folder = self.resume_from
+        meta = store.read_meta(folder)
+        same_world = meta["world_size"] == dist.get_world_size()
+        # With another world size, rank numbers no longer name the same work: all take rank 0's.
+        rng_owner = self.rank if same_world else 0
+        state = self._state(0, rng_owner)
+        try:
+            dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
+        except CheckpointException as err:
+            raise UserError(f"checkpoint {str(folder)!r} could not be read ({_root_cause(err)}). "
+                            f"It is damaged; resume from an earlier folder with --resume FOLDER.") from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"][f"rank{rng_owner}"])
+        step = state["train"]["step"]
+        saved_data, data = meta["data_size"], self.dims.data_size
+        carried = ("same data-parallel size" if saved_data == data else
+                   f"data-parallel size {saved_data} -> {data}: each data rank builds its own rows of "
+                   f"global batch {step}, so nothing is converted")
+        rng = ("each rank's own" if same_world else
+               f"rank 0's on every rank, since the world size changed from {meta['world_size']}")
+        self.log.print(f"resumed from {folder} (saved on mesh {meta['mesh']}) after {step} steps; "
+                       f"data position = step {step}, since sample i of step s depends only on "
+                       f"(seed, s, i) ({carried}); RNG states: {rng}")
+        if step == self.cfg.training.steps:
+            self.log.print(f"the checkpoint already reaches training.steps={step}: nothing to train. "
+                           f"Raise training.steps to continue, or use a new run.dir.")
+        return step
+
+    def step_finished(self, step: int) -> None:
+        """Called after step index `step`; saves when a checkpoint is due."""
+        done, every = step + 1, self.cfg.checkpoint.every
+        if every and (done % every == 0 or done == self.cfg.training.steps):
+            self.save(done)
+
+    def last_complete(self) -> Path | None:
+        """The newest checkpoint that finished saving (what `latest` names)."""
+        return store.latest(self.root)
+
+    def _meta(self, step: int) -> dict:
+        return {"step": step, "mesh": str(self.dims.spec), "world_size": dist.get_world_size(),
+                "data_size": self.dims.data_size, "data_position": {"step": step},
+                "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "torch": torch.__version__, "state_dict": store.state_dict_shapes(self.model),
+                "config": to_dict(self.cfg)}
+
+    def save(self, step: int) -> None:
+        self.wait()
+        partial = store.partial_folder(self.root, step)
+        if self.rank == 0 and partial.exists():
+            shutil.rmtree(partial)  # left by a crash during an earlier attempt at this step
+        dist.barrier(group=self.group)
+        state = self._state(step, self.rank)
+        meta = self._meta(step)
+        try:
+            if self.cfg.checkpoint.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+                self.pending = (future, partial, meta)
+                return
+            dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+        except (CheckpointException, OSError) as err:
+            self._failed(partial, step, err)
+        self._commit(partial, meta)
+
+    def wait(self) -> None:
+        """Finish the async save in flight, if any, and make it the latest checkpoint."""
+        if self.pending is None:
+            return
+        future, partial, meta = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (CheckpointException, OSError) as err:
+            self._failed(partial, meta["step"], err)
+        self._commit(partial, meta)
+
+    def _commit(self, partial: Path, meta: dict) -> None:
+        if self.rank == 0:
+            final = store.commit(partial, meta, self.cfg.checkpoint.keep)
+            self.log.print(f"checkpoint step {meta['step']} -> {final}")
+
+    def _failed(self, partial: Path, step: int, err: BaseException) -> NoReturn:
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # give back the space a full disk needs
+        latest = store.latest(self.root)
+        raise UserError(f"saving the checkpoint of step {step} to {str(partial)!r} failed "
+                        f"({_root_cause(err)}). The last complete checkpoint "
+                        f"({latest or 'none yet'}) is untouched; free space or fix the folder, "
+                        f"then resume with --resume.") from None
+
+    def close(self) -> None:
+        """At the end of training: wait for an async save, then write the export if asked."""
+        self.wait()
+        if self.cfg.checkpoint.export:
+            export_full(self.model, self.cfg.checkpoint.export)
+            self.log.print(f"exported full weights -> {self.cfg.checkpoint.export}")

@@ -1,0 +1,261 @@
+"""Checkpoints end to end: resume, resharding, export/import, SIGKILL and restart, bad input.
+
+One reference run (dp=2,tp=2, 6 steps, checkpoints at steps 3 and 6, final weights
+exported) is shared by the tests. Tolerances: a resume on the same mesh must give
+bitwise the same losses and checkpoint tensors; the first loss after loading on
+another layout must be within 1e-5 (fp32 parity tolerance) of the reference's loss
+at that step; the exported weights must equal the DCP ones bitwise.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from engine.checkpoint_store import COMPLETE, META, step_name
+from engine.config import load_config
+from engine.data import CorpusSource, local_batch
+from engine.train import loss_fn
+from models import build_on_meta
+from tests.distributed import REPO, cpu_env, launcher, torchrun
+from tests.test_cli import assert_clean_error, losses
+
+STEPS, EVERY, MESH = 6, 3, "dp=2,tp=2"
+
+
+def run_args(run_dir, mesh=MESH, *extra):
+    return ["--mesh", mesh, "--set", f"training.steps={STEPS}", "--set", f"checkpoint.every={EVERY}",
+            "--set", f"run.dir={run_dir}", *extra]
+
+
+def checkpoint(run_dir, step):
+    return Path(run_dir) / "checkpoints" / step_name(step)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = launcher(*run_args(run_dir, MESH, "--set", f"checkpoint.export={run_dir / 'final.pt'}"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def full_checkpoint(folder, tmp_path) -> dict:
+    """Everything a DCP checkpoint holds, as plain full tensors, read without a process group."""
+    out = tmp_path / f"{Path(folder).parent.parent.name}-{Path(folder).name}.pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=False)
+
+
+def assert_bitwise_equal(ours, theirs, path="") -> None:
+    if isinstance(theirs, dict):
+        assert set(ours) == set(theirs), path
+        for key in theirs:
+            assert_bitwise_equal(ours[key], theirs[key], f"{path}.{key}")
+    elif isinstance(theirs, torch.Tensor):
+        assert torch.equal(ours, theirs), path
+    else:
+        assert ours == theirs, path
+
+
+def plain_model(weights: dict) -> torch.nn.Module:
+    model = build_on_meta("llama", "debug")
+    model.to_empty(device="cpu")
+    model.reset_buffers()
+    model.load_state_dict(weights)
+    return model
+
+
+@pytest.mark.distributed
+def test_full_disk_keeps_last_checkpoint_and_resume_is_bitwise(reference, tmp_path):
+    """The save of step 6 fails on a full disk: step 3 stays latest. Resuming from it (with
+    async saving) repeats steps 3..5 bitwise and writes the same step-6 checkpoint."""
+    run_dir = tmp_path / "run"
+    failed = torchrun(4, REPO / "tests" / "full_disk_worker.py", str(STEPS), *run_args(run_dir))
+    assert failed.returncode != 0
+    assert "error: saving the checkpoint of step 6" in failed.stderr, failed.stderr[-3000:]
+    assert "No space left on device" in failed.stderr and "Traceback" not in failed.stdout
+    root = run_dir / "checkpoints"
+    assert (root / "latest").read_text() == step_name(3)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", step_name(3)]
+
+    resumed = launcher(*run_args(run_dir, MESH, "--set", "checkpoint.async_save=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint(run_dir, 3)}" in resumed.stdout
+    assert "data position = step 3" in resumed.stdout
+    assert losses(run_dir)[STEPS:] == losses(reference)[EVERY:]
+    saved = full_checkpoint(checkpoint(run_dir, 6), tmp_path)
+    # The engine draws no random numbers while training, so the RNG states saved at step 6
+    # are the ones restored from step 3 (each process starts from its own random seed).
+    assert saved.pop("rng") == full_checkpoint(checkpoint(run_dir, 3), tmp_path)["rng"]
+    expected = full_checkpoint(checkpoint(reference, 6), tmp_path)
+    expected.pop("rng")
+    assert_bitwise_equal(saved, expected)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["dp=4", "tp=4", "hsdp=2,tp=2", "dp=1"])
+def test_reshard_first_loss_matches(reference, tmp_path, mesh):
+    result = launcher("--mesh", mesh, "--resume", str(checkpoint(reference, 3)), "--set", "training.steps=4",
+                      "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"saved on mesh {MESH}" in result.stdout
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    expected = losses(reference)[3]
+    print(f"{mesh}: first loss after loading {first['loss']!r}, reference {expected!r}, "
+          f"diff {abs(first['loss'] - expected):.2e}")
+    assert first["step"] == 3
+    assert abs(first["loss"] - expected) <= 1e-5
+
+
+@pytest.mark.distributed
+def test_reshard_from_eight_ranks(tmp_path):
+    """The issue's source layout dp=4,tp=2 (the one 8-rank case), loaded on 4 ranks at tp=4."""
+    source = tmp_path / "source"
+    saved = launcher("--mesh", "dp=4,tp=2", "--set", "training.steps=3", "--set", "checkpoint.every=2",
+                     "--set", f"run.dir={source}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    loaded = launcher("--mesh", "tp=4", "--resume", str(checkpoint(source, 2)), "--set", "training.steps=3",
+                      "--set", f"run.dir={tmp_path / 'loaded'}")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "data-parallel size 4 -> 1" in loaded.stdout
+    ours, expected = losses(tmp_path / "loaded")[0], losses(source)[2]
+    print(f"dp=4,tp=2 -> tp=4: first loss after loading {ours!r}, reference {expected!r}, "
+          f"diff {abs(ours - expected):.2e}")
+    assert abs(ours - expected) <= 1e-5
+
+
+def test_export_loads_into_plain_model(reference, tmp_path):
+    exported = torch.load(reference / "final.pt", weights_only=True)
+    from_dcp = full_checkpoint(checkpoint(reference, STEPS), tmp_path)["model"]
+    assert_bitwise_equal(exported, from_dcp)
+    inputs = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain_model(exported)(inputs), plain_model(from_dcp)(inputs))
+
+
+@pytest.mark.distributed
+def test_import_starts_parallel_run_from_exported_weights(reference, tmp_path):
+    result = launcher("--mesh", "dp=2", "--set", f"checkpoint.init_from={reference / 'final.pt'}",
+                      "--set", "training.steps=1", "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    cfg = load_config(REPO / "configs" / "debug.yaml")
+    t = cfg.training
+    inputs, targets = local_batch(CorpusSource(REPO / cfg.data.path, t.seed), 0, t.global_batch, t.seq_len)
+    with torch.no_grad():
+        expected = loss_fn(plain_model(torch.load(reference / "final.pt"))(inputs), targets).item()
+    assert abs(losses(tmp_path)[0] - expected) <= 1e-5
+
+
+def rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of the worker with RANK=`rank` among `parent`'s children (torchrun's workers)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.distributed
+def test_sigkill_of_one_rank_restarts_and_finishes_identically(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = [sys.executable, str(REPO / "launch" / "run.py"), "--max-restarts", "1",
+               *run_args(run_dir, MESH, "--set", f"checkpoint.export={run_dir / 'final.pt'}")]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        job = subprocess.Popen(command, cwd=REPO, env=cpu_env(), stdout=out, stderr=err)
+        killed = None
+        deadline = time.monotonic() + 300
+        while killed is None and job.poll() is None and time.monotonic() < deadline:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and '"step": 4,' in metrics.read_text():
+                killed = rank_pid(job.pid, 1)
+                if killed:
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        job.wait(timeout=300)
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert killed, "rank 1 was never found to kill"
+    assert job.returncode == 0, stderr[-3000:]
+    assert f"resumed from {checkpoint(run_dir, 3)}" in stdout
+    assert_bitwise_equal(torch.load(run_dir / "final.pt"), torch.load(reference / "final.pt"))
+
+
+def copy_checkpoint(reference, tmp_path, step=3) -> Path:
+    return Path(shutil.copytree(checkpoint(reference, step), tmp_path / step_name(step)))
+
+
+def test_missing_checkpoint_folder(tmp_path):
+    assert_clean_error(launcher("--resume", str(tmp_path / "nowhere"), timeout=60), "does not exist")
+
+
+def test_incomplete_checkpoint_folder(reference, tmp_path):
+    folder = copy_checkpoint(reference, tmp_path)
+    (folder / COMPLETE).unlink()
+    assert_clean_error(launcher(*run_args(tmp_path, MESH, "--resume", str(folder)), timeout=60),
+                       "is not a complete checkpoint (no COMPLETE)")
+
+
+def test_unreadable_checkpoint_metadata(reference, tmp_path):
+    folder = copy_checkpoint(reference, tmp_path)
+    (folder / META).write_text("{not json")
+    assert_clean_error(launcher(*run_args(tmp_path, MESH, "--resume", str(folder)), timeout=60),
+                       "unreadable meta.json")
+
+
+@pytest.mark.distributed
+def test_damaged_checkpoint_data(reference, tmp_path):
+    folder = copy_checkpoint(reference, tmp_path)
+    shard = folder / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    result = launcher(*run_args(tmp_path / "run", "dp=1", "--resume", str(folder)))
+    assert result.returncode != 0
+    assert f"checkpoint '{folder}' could not be read" in result.stderr, result.stderr[-3000:]
+
+
+def test_checkpoint_of_another_flavor(reference, tmp_path):
+    assert_clean_error(launcher(*run_args(tmp_path, MESH, "--resume", str(checkpoint(reference, 3)),
+                                          "--set", "model.flavor=1B"), timeout=60),
+                       "does not fit model llama/1B", "different shapes", "tok_embeddings.weight")
+
+
+def test_checkpoint_with_other_parameter_names(reference, tmp_path):
+    folder = copy_checkpoint(reference, tmp_path)
+    meta = json.loads((folder / META).read_text())
+    meta["state_dict"]["extra.weight"] = meta["state_dict"].pop("norm.weight")
+    (folder / META).write_text(json.dumps(meta))
+    assert_clean_error(launcher(*run_args(tmp_path, MESH, "--resume", str(folder)), timeout=60),
+                       "missing keys: norm.weight", "unexpected keys: extra.weight")
+
+
+def test_config_change_that_cannot_resume(reference, tmp_path):
+    assert_clean_error(launcher(*run_args(tmp_path, MESH, "--resume", str(checkpoint(reference, 3)),
+                                          "--set", "training.global_batch=8"), timeout=60),
+                       "training.global_batch was 16, now 8", "the mesh, training.steps")
+
+
+def test_resume_without_checkpoint(tmp_path):
+    assert_clean_error(launcher(*run_args(tmp_path, MESH, "--resume"), timeout=60), "holds no complete checkpoint")
+
+
+def test_never_resume_over_existing_checkpoints(reference):
+    assert_clean_error(launcher(*run_args(reference, MESH, "--set", "checkpoint.resume=never"), timeout=60),
+                       "checkpoint.resume=never but")
+
+
+def test_missing_import_file(tmp_path):
+    assert_clean_error(launcher("--set", f"checkpoint.init_from={tmp_path / 'no.pt'}", timeout=60),
+                       "checkpoint.init_from", "does not exist")
