@@ -175,7 +175,8 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if (section_name, key) in _POSITIVE and value <= 0:
         raise UserError(f"config key {dotted} must be positive, but got {value}.")
     if (section_name, key) in _NON_NEGATIVE and value < 0:
-        raise UserError(f"config key {dotted} must be 0 or more, but got {value}.")
+        hint = " (0 keeps FSDP2's implicit behaviour)" if section_name == "prefetch" else ""
+        raise UserError(f"config key {dotted} must be 0 or more{hint}, but got {value}.")
     setattr(section, key, value)
 
 

@@ -35,7 +35,7 @@ def test_peak_table(name, peak):
 
 
 @pytest.mark.parametrize("override,fragment", [
-    ("prefetch.forward=-1", "prefetch.forward must be 0 (FSDP2's implicit behaviour) or more"),
+    ("prefetch.forward=-1", "prefetch.forward must be 0 or more (0 keeps FSDP2's implicit behaviour)"),
     ("training.micro_batches=0", "training.micro_batches must be positive"),
     ("metrics.tensorboard=maybe", "metrics.tensorboard must be of type bool"),
 ])
