@@ -53,6 +53,7 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw, or sgd (plain, no momentum: a sharper parity check)
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -101,6 +102,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParityConfig:
+    """launch/run.py --parity (docs/parity.md)."""
+    steps: int = 5  # optimizer steps compared, each on the mesh and on one device
+    layers: int = 0  # build both sides with this many blocks (0: the flavor's depth)
+    reference: bool = True  # run the single-device reference (false: compare with check_against only)
+    reference_device: str = "auto"  # auto (this rank's device) or cpu
+    record: str = ""  # write this run's trajectory to this file, to check later runs against
+    check_against: str = ""  # compare with a trajectory written earlier by parity.record
+    report: str = ""  # the JSON report; default run.dir/parity.json
+    localize: bool = True  # on failure, rerun step 0 with hooks and name the first diverging module
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -111,6 +125,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
 
 
 _CHOICES = {
@@ -121,11 +136,14 @@ _CHOICES = {
     ("parallel", "param_dtype"): ("float32", "bfloat16"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("checkpoint", "resume"): ("auto", "always", "never"),
+    ("optim", "name"): ("adamw", "sgd"),
+    ("parity", "reference_device"): ("auto", "cpu"),
 }
 _POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
-             ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches")}
+             ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches"),
+             ("parity", "steps")}
 _NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead"),
-                 ("checkpoint", "every"), ("checkpoint", "keep")}
+                 ("checkpoint", "every"), ("checkpoint", "keep"), ("parity", "layers")}
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:

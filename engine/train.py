@@ -27,10 +27,14 @@ from engine.throughput import device_peak_flops
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):
-    """AdamW over the (already sharded) parameters, with linear warmup then cosine decay."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr,
-                                  betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
-                                  weight_decay=optim_cfg.weight_decay)
+    """AdamW (or plain SGD) over the (already sharded) parameters, with linear warmup then
+    cosine decay."""
+    if optim_cfg.name == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr,
+                                      betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
+                                      weight_decay=optim_cfg.weight_decay)
     warmup, floor = optim_cfg.warmup_steps, optim_cfg.min_lr_ratio
 
     def lr_factor(step: int) -> float:
@@ -88,13 +92,16 @@ def forward_backward(model, inputs, targets, micro_batches: int = 1) -> torch.Te
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
-               data_group=None, micro_batches: int = 1) -> StepResult:
+               data_group=None, micro_batches: int = 1, inspect_grads=None) -> StepResult:
+    """`inspect_grads(model)`, when given, sees the gradients before clipping (parity checks)."""
     lr = scheduler.get_last_lr()[0]
     started = time.perf_counter()
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
     loss = global_mean(forward_backward(model, inputs, targets, micro_batches), data_group)
     computed = time.perf_counter()
+    if inspect_grads is not None:
+        inspect_grads(model)
     skipped = not math.isfinite(loss)
     norm = clip_grad_norm(model.parameters(), max_norm).item()
     if not skipped:

@@ -22,6 +22,7 @@ if str(REPO) not in sys.path:
 
 from engine.config import load_config  # noqa: E402
 from engine.errors import EXIT_NONFINITE_LOSS, EXIT_USER_ERROR, NonFiniteLoss, UserError  # noqa: E402
+from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "configs" / "debug.yaml"
@@ -35,6 +36,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="override a config key, e.g. --set training.steps=10 (repeatable)")
     parser.add_argument("--explain", action="store_true",
                         help="print, before training, what the plan did to each module")
+    parser.add_argument("--parity", action="store_true",
+                        help="instead of training, run parity.steps steps on the mesh and on one "
+                        "device and compare them (docs/parity.md); exit code 0 on PASS, 1 on FAIL")
     parser.add_argument("--nproc", type=int, help="processes to start when not under torchrun "
                         "(default: the mesh's size)")
     parser.add_argument("--resume", nargs="?", const="", metavar="FOLDER",
@@ -104,8 +108,22 @@ def check(args: argparse.Namespace, world_size: int | None):
     if cfg.training.seq_len > args_.max_seq_len:
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
                         f"{args_.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
-    find_checkpoint(cfg)
+    if args.parity:
+        check_parity(cfg)
+    else:
+        find_checkpoint(cfg)
     return cfg, spec
+
+
+def check_parity(cfg) -> None:
+    from engine import trajectory
+    from models import build_on_meta
+    build_on_meta(cfg.model.name, cfg.model.flavor, cfg.parity.layers)  # a depth the model cannot take fails here
+    if cfg.parity.check_against:
+        trajectory.read(cfg.parity.check_against, cfg)
+    elif not cfg.parity.reference:
+        raise UserError("parity.reference=false leaves nothing to compare with. Give a recorded "
+                        "trajectory with --set parity.check_against=FILE, or keep the reference.")
 
 
 def find_checkpoint(cfg) -> Path | None:
@@ -133,56 +151,30 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) 
     os.execv(sys.executable, command)
 
 
-def pick_device(cfg) -> tuple[str, str]:
-    import torch
-    device = cfg.parallel.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("parallel.device=cuda but no CUDA device is visible. Use --set parallel.device=cpu.")
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
-    return device, backend
-
-
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
-    import torch
     import torch.distributed as dist
 
     from engine.checkpoint import Checkpointer
     from engine.data import build_source
     from engine.metrics import StepLog
     from engine.train import train
-    from models import build_on_meta
-    from models.materialise import materialise
-    from parallel.apply import apply_plan
-    from parallel.mesh import build_mesh
     from parallel.plan import get_plan
     from parallel.prefetch import prefetch_order, unshard_ahead
-    from parallel.process_group import init_process_group
 
-    device_type, backend = pick_device(cfg)
+    dims, device = start_process_group(cfg, spec)
     plan = get_plan(cfg.parallel.plan)
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    init_process_group(backend)
-    dims = build_mesh(spec, device_type)
     resume_from = find_checkpoint(cfg)
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
                   every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,
                   append=resume_from is not None)
-    log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device_type}/{backend}) | "
+    log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device.type}/{pick_device(cfg)[1]}) | "
               f"model {cfg.model.name}/{cfg.model.flavor} | plan {plan.name}")
 
-    model = build_on_meta(cfg.model.name, cfg.model.flavor)
+    model, applied = sharded_model(cfg, dims, device, prefetch=cfg.prefetch)
     log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    applied = apply_plan(model, plan, dims, cfg.parallel, cfg.prefetch)
     if show_plan:
         from parallel.explain import explain
         log.print(explain(model, applied))
-    materialise(model, device, cfg.training.seed)
     source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
     ahead = cfg.prefetch.unshard_ahead
     unshard = functools.partial(unshard_ahead, model, prefetch_order(model, plan), ahead) if ahead else None
@@ -209,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
             relaunch_under_torchrun(spec.world_size, argv, args.max_restarts)
+        if args.parity:
+            from launch.parity import run_parity
+            exit_now(run_parity(cfg, spec))
         train_on_mesh(cfg, spec, show_plan=args.explain)
     except UserError as err:
         if is_rank_zero():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.errors import UserError
@@ -29,8 +31,24 @@ def model_args(name: str, flavor: str):
     return flavors[flavor]
 
 
-def build_on_meta(name: str, flavor: str) -> torch.nn.Module:
-    """The model with every parameter on the meta device: no memory is used yet."""
+def build_on_meta(name: str, flavor: str, n_layers: int = 0) -> torch.nn.Module:
+    """The model with every parameter on the meta device: no memory is used yet.
+    `n_layers` > 0 builds the flavor with that many blocks instead (a reduced depth)."""
     args = model_args(name, flavor)
+    if n_layers:
+        args = with_depth(args, n_layers, f"{name}/{flavor}")
     with torch.device("meta"):
         return MODELS[name][0](args)
+
+
+def with_depth(args, n_layers: int, what: str):
+    """The same model args with `n_layers` blocks; the args must be a dataclass with an
+    `n_layers` field no smaller than the request."""
+    depth = getattr(args, "n_layers", None)
+    if not dataclasses.is_dataclass(args) or not isinstance(depth, int):
+        raise UserError(f"{what} has no n_layers in its args, so its depth cannot be reduced. "
+                        f"Leave parity.layers at 0.")
+    if n_layers > depth:
+        raise UserError(f"parity.layers={n_layers} is deeper than {what}, which has {depth} blocks. "
+                        f"Use 1 to {depth}, or 0 for the full depth.")
+    return dataclasses.replace(args, n_layers=n_layers)

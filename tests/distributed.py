@@ -29,22 +29,20 @@ def launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 300
                           env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
 
 
-_REPORTS: dict[tuple, tuple[dict, dict]] = {}
+_REPORTS: dict[tuple, tuple[dict, int]] = {}
 
 
-def parity_report(tmp_root: Path, mesh: str, nproc: int, *overrides: str, flavor: str = "debug",
-                  steps: int = 3) -> tuple[dict, dict]:
-    """Run tests/parity_worker.py once per distinct case in this pytest session; returns
-    (JSON report, step-0 full gradients by parameter name)."""
+def parity_report(tmp_root: Path, mesh: str, *overrides: str, steps: int = 3) -> tuple[dict, int]:
+    """`launch/run.py --parity` once per distinct case in this pytest session; returns
+    (the JSON report, the exit code)."""
     import json
 
-    import torch
-
-    key = (mesh, nproc, flavor, steps, overrides)
+    key = (mesh, steps, overrides)
     if key not in _REPORTS:
         out = tmp_root / f"parity-{len(_REPORTS)}.json"
-        result = torchrun(nproc, REPO / "tests" / "parity_worker.py", mesh, str(out), str(steps),
-                          flavor, *overrides, timeout=600)
-        assert result.returncode == 0, result.stderr[-4000:]
-        _REPORTS[key] = json.loads(out.read_text()), torch.load(str(out) + ".grads.pt")
+        result = launcher("--parity", "--mesh", mesh, "--set", f"parity.steps={steps}",
+                          "--set", f"parity.report={out}", "--set", f"run.dir={tmp_root}",
+                          *[arg for o in overrides for arg in ("--set", o)], timeout=600)
+        assert out.exists(), result.stdout[-3000:] + result.stderr[-4000:]
+        _REPORTS[key] = json.loads(out.read_text()), result.returncode
     return _REPORTS[key]

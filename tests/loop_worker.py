@@ -26,6 +26,7 @@ import parallel  # noqa: E402,F401
 from engine.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
 from engine.data import CorpusSource, local_batch  # noqa: E402
 from engine.grad_norm import clip_grad_norm, grad_norm  # noqa: E402
+from engine.compare import full, max_abs_diff  # noqa: E402
 from engine.train import build_optimizer, forward_backward, global_mean, run_step  # noqa: E402
 from models import build_on_meta  # noqa: E402
 from models.materialise import materialise  # noqa: E402
@@ -33,7 +34,6 @@ from parallel.apply import apply_plan  # noqa: E402
 from parallel.mesh import build_mesh, parse_mesh  # noqa: E402
 from parallel.plan import Plan, get_plan  # noqa: E402
 from parallel.prefetch import prefetch_order, unshard_ahead  # noqa: E402
-from tests.parity_worker import full, max_diff  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 1234
@@ -124,14 +124,14 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {name: full(p.grad) for name, p in model.named_parameters()}
 
 
-def check_prefetch(dims, cfg, source) -> dict:
+def check_prefetch(dims, cfg, source, options: ParallelConfig) -> dict:
     """Per config: the all-gather leads at step 0 (the first, lazily initialised, step),
     the step-0 loss and full gradients, and the losses of three more real loop steps."""
     plan = get_plan("llama")
     report, outcomes = {}, {}
     for depth in (0, 1, 2):
         prefetch = PrefetchConfig(forward=depth, backward=depth, unshard_ahead=depth)
-        model = sharded_model(plan, dims, prefetch)
+        model = sharded_model(plan, dims, prefetch, options)
         blocks = prefetch_order(model, plan)
         recorder = Recorder(model, blocks)
         unshard = (lambda: unshard_ahead(model, blocks, depth)) if depth else None
@@ -162,7 +162,6 @@ def check_prefetch(dims, cfg, source) -> dict:
             "losses": losses == base_losses,
         }
     report["blocks"] = len(prefetch_order(model, plan))
-    report["custom_order_all_gathers"] = forward_all_gathers_with_custom_order(dims, cfg, source)
     return report
 
 
@@ -199,7 +198,7 @@ def check_accumulation(dims, cfg, source, reference) -> dict:
             ref_loss = forward_backward(reference, ref_inputs, ref_targets)
             ref_grads = grads(reference)
             report["loss0_diff"] = abs(global_mean(loss, dims.data.get_group()) - ref_loss.item())
-            report["grad_max_diff"] = max(max_diff(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+            report["grad_max_diff"] = max(max_abs_diff(full(p.grad), ref_grads[n]) for n, p in model.named_parameters())
         model.zero_grad(set_to_none=True)
     recorder.remove()
     reference.zero_grad(set_to_none=True)
@@ -230,7 +229,7 @@ def check_norms(dims, cfg, source, options: ParallelConfig) -> dict:
     clip_grad_norm(model.parameters(), max_norm)
     torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
     ref_params = dict(reference.named_parameters())
-    report["clipped_grad_max_diff"] = max(max_diff(p.grad, ref_params[n].grad) for n, p in model.named_parameters())
+    report["clipped_grad_max_diff"] = max(max_abs_diff(full(p.grad), ref_params[n].grad) for n, p in model.named_parameters())
     report["clipped_norm"] = grad_norm(model.parameters()).item()
     report["max_norm"] = max_norm
     return report
@@ -248,7 +247,10 @@ def main() -> None:
     if dims.tp_enabled:
         report["norms"]["llama_sp"] = check_norms(dims, cfg, source, ParallelConfig(sequence_parallel=True))
     else:
-        report["prefetch"] = check_prefetch(dims, cfg, source)
+        report["prefetch"] = check_prefetch(dims, cfg, source, ParallelConfig())
+        report["prefetch"]["custom_order_all_gathers"] = forward_all_gathers_with_custom_order(dims, cfg, source)
+        # Recomputation runs each block's forward again inside its backward.
+        report["prefetch_ac"] = check_prefetch(dims, cfg, source, ParallelConfig(activation_checkpoint="full"))
     report["accumulation"] = check_accumulation(dims, cfg, source, reference_model())
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(report, indent=1))

@@ -38,6 +38,10 @@ def assert_clean_error(result, *fragments):
     (["--set", "parallel.reshard_after_forward=3"], ["must divide the FSDP shard size dp=4"]),
     (["--set", "model.plugin=no_such_module"], ["model.plugin 'no_such_module' cannot be imported"]),
     (["--set", "model.name=gpt2", "--set", "parallel.plan=llama"], ["matches no module of GPT2"]),
+    (["--parity", "--set", "parity.layers=9"], ["parity.layers=9 is deeper than llama/debug", "4 blocks"]),
+    (["--parity", "--set", "parity.reference=false"], ["nothing to compare with", "parity.check_against"]),
+    (["--parity", "--set", "parity.check_against=missing.json"], ["'missing.json' does not exist"]),
+    (["--parity", "--set", "optim.name=lion"], ["accepted values: adamw, sgd"]),
 ])
 def test_bad_input_without_torchrun(args, fragments):
     assert_clean_error(launcher(*args, timeout=60), *fragments)

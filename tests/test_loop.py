@@ -7,6 +7,8 @@ per mesh, several checks per launch.
   pre-forward. In backward, FSDP2's implicit schedule prefetches one block; depth 2 two.
   `unshard_ahead` N gathers the root and the first N blocks before the batch exists.
   Every depth gives bitwise the same step-0 loss and gradients and the same next losses.
+  The same leads and the same bitwise equality are required with activation checkpointing
+  on (prefetch_ac), where each block's forward runs again inside its backward.
   A plan's own block order (Plan.prefetch_order) is the one prefetch follows.
 - Accumulation: one gradient reduction per FSDP unit per step with 1 or 4 micro-batches;
   4 micro-batches against the reference's one big batch: loss and every gradient within
@@ -47,8 +49,9 @@ def expected_forward_lead(depth: int, blocks: int) -> list[int]:
 
 
 @pytest.mark.distributed
-def test_prefetch_issues_all_gathers_ahead_by_the_depth(reports):
-    prefetch = reports("dp=2")["prefetch"]
+@pytest.mark.parametrize("ac", ["prefetch", "prefetch_ac"])
+def test_prefetch_issues_all_gathers_ahead_by_the_depth(reports, ac):
+    prefetch = reports("dp=2")[ac]
     blocks = prefetch["blocks"]
     assert blocks == 4  # the debug model: enough blocks that depth 2 stops short of the end
     assert prefetch["depth0"]["forward_lead"] == [0] * (blocks + 1)
@@ -73,9 +76,10 @@ def test_prefetch_follows_a_plans_custom_order(reports):
 
 
 @pytest.mark.distributed
-def test_prefetch_changes_nothing_numerically(reports):
+@pytest.mark.parametrize("ac", ["prefetch", "prefetch_ac"])
+def test_prefetch_changes_nothing_numerically(reports, ac):
     for depth in (1, 2):
-        assert reports("dp=2")["prefetch"][f"depth{depth}"]["bitwise_equal_to_depth0"] == {
+        assert reports("dp=2")[ac][f"depth{depth}"]["bitwise_equal_to_depth0"] == {
             "loss0": True, "grads0": True, "losses": True}
 
 

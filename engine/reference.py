@@ -1,0 +1,43 @@
+"""The single-device side of a parity check: the same optimizer, clipping and schedule
+as the mesh run, in one process, over the whole global batch."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.grad_norm import clip_grad_norm
+from engine.train import build_optimizer, forward_backward
+
+
+class Reference:
+    def __init__(self, model: torch.nn.Module, cfg, compute: torch.nn.Module | None = None):
+        """`compute`, when given, is a low-precision copy of `model` that runs forward and
+        backward from the fp32 master weights, as FSDP's mixed precision does."""
+        self.model = model
+        self.compute = compute if compute is not None else model
+        self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+        self.max_norm = cfg.optim.max_norm
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if self.compute is self.model:
+            return forward_backward(self.model, inputs, targets).item()
+        with torch.no_grad():
+            for master, low in zip(self.model.parameters(), self.compute.parameters()):
+                low.copy_(master)
+        loss = forward_backward(self.compute, inputs, targets)
+        for master, low in zip(self.model.parameters(), self.compute.parameters()):
+            master.grad = low.grad.float()  # FSDP reduces and keeps gradients in fp32 too
+            low.grad = None
+        return loss.item()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, inspect_grads=None) -> tuple[float, float, float]:
+        """One optimizer step; returns (loss, gradient norm before clipping, learning rate)."""
+        lr = self.scheduler.get_last_lr()[0]
+        loss = self.forward_backward(inputs, targets)
+        if inspect_grads is not None:
+            inspect_grads(self.model)
+        norm = clip_grad_norm(self.model.parameters(), self.max_norm).item()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm, lr

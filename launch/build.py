@@ -1,0 +1,63 @@
+"""The steps every launch mode shares: device, process group and mesh, then the
+sharded model (meta, plan, materialise) and, for parity, the single-device model."""
+
+from __future__ import annotations
+
+import os
+
+from engine.errors import UserError
+
+
+def pick_device(cfg) -> tuple[str, str]:
+    """(device type, backend) from the config and what this machine has."""
+    import torch
+    device = cfg.parallel.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("parallel.device=cuda but no CUDA device is visible. Use --set parallel.device=cpu.")
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    return device, backend
+
+
+def start_process_group(cfg, spec):
+    """The process group and mesh for this rank; returns (ParallelDims, torch.device)."""
+    import torch
+
+    from parallel.mesh import build_mesh
+    from parallel.process_group import init_process_group
+
+    device_type, backend = pick_device(cfg)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    init_process_group(backend)
+    return build_mesh(spec, device_type), device
+
+
+def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None):
+    """The model built on meta, parallelized by its plan, then given its initial values
+    from the seed. Returns (model, AppliedPlan)."""
+    from models import build_on_meta
+    from models.materialise import materialise
+    from parallel.apply import apply_plan
+    from parallel.plan import get_plan
+
+    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
+    applied = apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, prefetch)
+    materialise(model, device, cfg.training.seed)
+    return model, applied
+
+
+def single_device_model(cfg, device, n_layers: int = 0, dtype=None):
+    """The same model, whole, on one device, with the same initial values."""
+    from models import build_on_meta
+    from models.materialise import materialise
+
+    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
+    materialise(model, device, cfg.training.seed)
+    return model if dtype is None else model.to(dtype)

@@ -1,0 +1,252 @@
+"""`launch/run.py --parity`: the same steps on the mesh and on one device, compared.
+
+Every rank builds the sharded model from the seed; rank 0 also builds the whole model
+from the same seed (the reference). Both take `parity.steps` optimizer steps on the
+same global batches: the mesh through the engine's own train_step, the reference in
+one process. Rank 0 compares the losses, the gradient norms, every full step-0
+gradient and every weight after the last step; all ranks check that what should be
+replicated over tp is bit-identical. On failure, every rank reruns step 0 with hooks
+on every module (engine/localize.py) and the report names the first module that
+diverges. Returns the exit code: 0 on PASS, 1 on FAIL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from engine import trajectory
+from engine.compare import (check_row, count_replicated, digest, full, max_abs_diff, relative_diff,
+                            replication_mismatches, tolerance_for)
+from engine.data import build_source, local_batch
+from engine.localize import RankPiece, localize
+from engine.parity_report import format_report
+from engine.reference import Reference
+from engine.train import build_optimizer, train_step
+from launch.build import pick_device, sharded_model, single_device_model, start_process_group
+
+WORST = 10
+# full_tensor() of an FSDP+TP (_StridedShard) parameter logs a performance warning per
+# call on every rank; a parity run gathers each parameter on purpose, a few times.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def build_reference(cfg, device) -> Reference:
+    where = torch.device("cpu") if cfg.parity.reference_device == "cpu" else device
+    model = single_device_model(cfg, where, cfg.parity.layers)
+    compute = None
+    if cfg.parallel.param_dtype != "float32":  # FSDP computes in it from fp32 masters; so does this
+        compute = single_device_model(cfg, where, cfg.parity.layers, getattr(torch, cfg.parallel.param_dtype))
+    return Reference(model, cfg, compute)
+
+
+def reference_device(reference: Reference) -> torch.device:
+    return next(reference.model.parameters()).device
+
+
+class ParityRun:
+    def __init__(self, cfg, spec):
+        self.cfg, self.spec = cfg, spec
+        self.dims, self.device = start_process_group(cfg, spec)
+        self.rank0 = dist.get_rank() == 0
+        self.tp_group = self.dims.tp.get_group() if self.dims.tp_enabled else None
+        self.tolerance = tolerance_for(cfg.parallel.param_dtype, cfg.optim.name)
+        self.golden = trajectory.read(cfg.parity.check_against, cfg) if cfg.parity.check_against else None
+        self.source = None
+        self.reference_grads: dict[str, torch.Tensor] | None = None
+        self.gradient_summaries: dict[str, dict] = {}
+        self.largest_grad = 0.0
+        self.report: dict = {}
+        self.checks: list[dict] = []
+
+    # -- batches -------------------------------------------------------------------------
+    def batch(self, step: int):
+        t = self.cfg.training
+        inputs, targets = local_batch(self.source, step, t.global_batch, t.seq_len,
+                                      self.dims.data_rank, self.dims.data_size)
+        return inputs.to(self.device), targets.to(self.device)
+
+    def global_batch(self, step: int, device):
+        t = self.cfg.training
+        inputs, targets = local_batch(self.source, step, t.global_batch, t.seq_len)
+        return inputs.to(device), targets.to(device)
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg, pc = self.cfg, self.cfg.parity
+        model, applied = sharded_model(cfg, self.dims, self.device, pc.layers)
+        self.source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
+        reference = build_reference(cfg, self.device) if self.rank0 and pc.reference else None
+        self.describe(model, reference)
+        self.compare_weights(model, reference, "initial weights (bitwise)", initial=True)
+        layout_hook = self.record_post_forward_layout(model, applied.blocks[0])
+
+        optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+        rows, lrs = [], []
+        for step in range(pc.steps):
+            row = {"step": step + 1}
+            if reference is not None:
+                keep = self.keep_reference_grads if step == 0 else None
+                row["reference_loss"], row["reference_grad_norm"], _ = reference.step(
+                    *self.global_batch(step, reference_device(reference)), inspect_grads=keep)
+            result = train_step(model, optimizer, scheduler, *self.batch(step), cfg.optim.max_norm,
+                                self.dims.data.get_group(), cfg.training.micro_batches,
+                                inspect_grads=self.compare_step0_gradients if step == 0 else None)
+            if step == 0:
+                layout_hook.remove()
+            row["loss"], row["grad_norm"] = result.loss, result.grad_norm
+            rows.append(row)
+            lrs.append(result.lr)
+        self.report["steps_table"] = rows
+        self.check_steps(rows)
+        self.compare_weights(model, reference, f"weights after {pc.steps} steps", lrs=lrs)
+        self.check_golden(rows)
+        passed = self.verdict()
+        del model, optimizer, reference
+        if not passed and pc.localize and pc.reference:
+            self.report["localizer"] = self.localize()
+        if self.rank0:
+            self.write_report()
+        return 0 if passed else 1
+
+    # -- what is compared ----------------------------------------------------------------
+    def describe(self, model, reference) -> None:
+        cfg = self.cfg
+        self.report.update({
+            "mesh": str(self.spec), "world_size": dist.get_world_size(),
+            "device": f"{self.device.type}/{pick_device(cfg)[1]}",
+            "reference": str(reference_device(reference)) if reference is not None else "none",
+            "model": f"{cfg.model.name}/{cfg.model.flavor}", "plan": cfg.parallel.plan,
+            "layers": getattr(model.args, "n_layers", None),
+            "dtype": cfg.parallel.param_dtype, "optimizer": cfg.optim.name, "steps": cfg.parity.steps,
+            "micro_batches": cfg.training.micro_batches,
+            "settings": {k: v for k, v in vars(cfg.parallel).items() if k not in ("device", "backend")},
+            "tolerance": self.tolerance.describe(),
+            "golden": cfg.parity.check_against or None, "recorded": cfg.parity.record or None,
+        })
+
+    def keep_reference_grads(self, model) -> None:
+        self.reference_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
+                                if p.grad is not None}
+
+    def compare_step0_gradients(self, model) -> None:
+        """Every full gradient (a gather per parameter, on every rank) against the reference's,
+        on rank 0; then what must be replicated over tp, on every rank."""
+        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        diffs, summaries, digests, largest = {}, {}, {}, 0.0
+        for name, grad in named:
+            whole = full(grad)
+            if not self.rank0:
+                continue
+            summaries[name], digests[name] = trajectory.gradient_summary(whole), digest(whole)
+            if self.reference_grads is not None:
+                expected = self.reference_grads[name]
+                diffs[name] = max_abs_diff(whole, expected)
+                largest = max(largest, expected.abs().max().item())
+        self.reference_grads = None
+        self.gradient_summaries = summaries
+        self.largest_grad = largest
+        self.report["gradient_digests"] = digests
+        mismatches = replication_mismatches(named, self.tp_group, self.device)
+        self.check_replicated("step-0 gradients", named, mismatches)
+        if diffs:
+            worst = sorted(diffs.items(), key=lambda item: -item[1])
+            limit = self.tolerance.grad_limit(largest)
+            self.report["gradients"] = {"max_abs_diff": worst[0][1], "largest_gradient": largest,
+                                        "limit": limit, "worst": worst[:WORST]}
+            self.checks.append(check_row("step-0 gradients", worst[0][1], limit, worst[0][0]))
+
+    def compare_weights(self, model, reference, what: str, initial: bool = False, lrs=()) -> None:
+        named = [(name, p.detach()) for name, p in model.named_parameters()]
+        expected = dict(reference.model.named_parameters()) if reference is not None else {}
+        worst = (0.0, "")
+        for name, weight in named:
+            whole = full(weight)
+            if name in expected:
+                worst = max(worst, (max_abs_diff(whole, expected[name]), name))
+        if not initial:
+            self.check_replicated(what, named, replication_mismatches(named, self.tp_group, self.device))
+        if reference is None:
+            return
+        limit = 0.0 if initial else self.tolerance.params_limit(list(lrs), self.largest_grad)
+        self.report["initial_max_diff" if initial else "weights_max_diff"] = worst[0]
+        self.checks.append(check_row(what, worst[0], limit, worst[1]))
+
+    def check_replicated(self, what: str, named, mismatches: dict[str, float]) -> None:
+        if self.tp_group is None:
+            return
+        self.report.setdefault("replicated_over_tp", {})[what] = {
+            "checked": count_replicated(named), "differing": mismatches}
+        detail = ", ".join(f"{n} ({d:.1e})" for n, d in list(mismatches.items())[:WORST])
+        self.checks.append(check_row(f"replicated over tp, bit-identical: {what}", len(mismatches), 0, detail))
+
+    def check_steps(self, rows) -> None:
+        tol = self.tolerance
+        for index, row in enumerate(rows):
+            if "reference_loss" not in row:
+                continue
+            row["loss_diff"] = abs(row["loss"] - row["reference_loss"])
+            row["grad_norm_rel_diff"] = relative_diff(row["grad_norm"], row["reference_grad_norm"])
+            self.checks.append(check_row(f"loss, step {row['step']}", row["loss_diff"], tol.loss_at(index)))
+            self.checks.append(check_row(f"grad norm (relative), step {row['step']}",
+                                         row["grad_norm_rel_diff"], tol.norm_at(index)))
+
+    def check_golden(self, rows) -> None:
+        if not self.rank0:
+            return
+        losses, norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+        if self.golden is not None:
+            self.checks += trajectory.compare(self.golden, losses, norms, self.gradient_summaries, self.tolerance)
+        if self.cfg.parity.record:
+            trajectory.write(self.cfg.parity.record, self.cfg, str(self.spec), losses, norms,
+                             self.gradient_summaries)
+
+    def verdict(self) -> bool:
+        passed = torch.tensor([1 if all(c["ok"] for c in self.checks) else 0], device=self.device)
+        dist.broadcast(passed, src=0)
+        self.report["checks"] = self.checks
+        self.report["verdict"] = "PASS" if passed.item() else "FAIL"
+        return bool(passed.item())
+
+    def record_post_forward_layout(self, model, first_block: str):
+        """The first block's parameter layouts once the whole forward is done, i.e. after the
+        block's post-forward reshard: what an integer reshard_after_forward changes."""
+        def hook(module, inputs, output):
+            block = model.get_submodule(first_block)
+            self.report.setdefault("post_forward_layout", {
+                name: [str(tuple(p.device_mesh.shape)), [str(x) for x in p.placements], list(p.to_local().shape)]
+                for name, p in block.named_parameters() if isinstance(p, DTensor)})
+        return model.register_forward_hook(hook)
+
+    def localize(self) -> dict:
+        """Step 0 once more, with hooks, on a fresh copy of both sides on every rank.
+        torch.compile is left out: hooks inside compiled blocks would be traced into them."""
+        cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(self.cfg.parallel, compile=False))
+        model, _ = sharded_model(cfg, self.dims, self.device, cfg.parity.layers)
+        reference = build_reference(cfg, self.device)
+        dims = self.dims
+        tp_size = dims.spec.tp
+        where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size)
+        found = localize(model, reference, *self.batch(0), *self.global_batch(0, reference_device(reference)),
+                         where, self.tolerance, self.device)
+        found["compile"] = "off for the rerun" if self.cfg.parallel.compile else "off"
+        return found
+
+    def write_report(self) -> None:
+        path = Path(self.cfg.parity.report or Path(self.cfg.run.dir) / "parity.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.report, indent=1, default=str))
+        print(format_report(self.report), flush=True)
+        print(f"report: {path}", flush=True)
+
+
+def run_parity(cfg, spec) -> int:
+    code = ParityRun(cfg, spec).run()
+    dist.destroy_process_group()
+    return code
