@@ -248,5 +248,8 @@ class ParityRun:
 
 def run_parity(cfg, spec) -> int:
     code = ParityRun(cfg, spec).run()
+    # torchrun stops every rank as soon as one exits non-zero: hold all of them until
+    # rank 0 has written and printed the report.
+    dist.barrier()
     dist.destroy_process_group()
     return code

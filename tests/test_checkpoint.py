@@ -116,19 +116,29 @@ def test_reshard_first_loss_matches(reference, tmp_path, mesh):
     assert abs(first["loss"] - expected) <= 1e-5
 
 
-@pytest.mark.distributed
-def test_reshard_from_eight_ranks(tmp_path):
-    """The issue's source layout dp=4,tp=2 (the one 8-rank case), loaded on 4 ranks at tp=4."""
-    source = tmp_path / "source"
+@pytest.fixture(scope="module")
+def eight_rank_source(tmp_path_factory):
+    """The issue's source layout: dp=4,tp=2 on 8 ranks, 3 steps, a checkpoint at step 2."""
+    source = tmp_path_factory.mktemp("source")
     saved = launcher("--mesh", "dp=4,tp=2", "--set", "training.steps=3", "--set", "checkpoint.every=2",
                      "--set", f"run.dir={source}")
     assert saved.returncode == 0, saved.stderr[-3000:]
-    loaded = launcher("--mesh", "tp=4", "--resume", str(checkpoint(source, 2)), "--set", "training.steps=3",
-                      "--set", f"run.dir={tmp_path / 'loaded'}")
+    return source
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh,data_change", [("dp=2,tp=4", "4 -> 2"), ("dp=8", "4 -> 8"),
+                                              ("hsdp=2,dp=2,tp=2", None), ("dp=1", "4 -> 1")])
+def test_reshard_from_eight_ranks(eight_rank_source, tmp_path, mesh, data_change):
+    """dp=4,tp=2 loaded at each of the issue's four targets: the first loss after loading
+    equals the source's own loss at that step within 1e-5."""
+    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(eight_rank_source, 2)),
+                      "--set", "training.steps=3", "--set", f"run.dir={tmp_path}")
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert "data-parallel size 4 -> 1" in loaded.stdout
-    ours, expected = losses(tmp_path / "loaded")[0], losses(source)[2]
-    print(f"dp=4,tp=2 -> tp=4: first loss after loading {ours!r}, reference {expected!r}, "
+    if data_change:
+        assert f"data-parallel size {data_change}" in loaded.stdout
+    ours, expected = losses(tmp_path)[0], losses(eight_rank_source)[2]
+    print(f"dp=4,tp=2 -> {mesh}: first loss after loading {ours!r}, reference {expected!r}, "
           f"diff {abs(ours - expected):.2e}")
     assert abs(ours - expected) <= 1e-5
 
