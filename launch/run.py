@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLoss as err:  # every rank sees the same global loss, so all stop here
         if is_rank_zero():
             print(f"error: {err}", file=sys.stderr)
+        # torchrun stops the other ranks as soon as one exits non-zero: let rank 0 finish
+        # its message first.
+        import torch.distributed as dist
+        dist.barrier()
         exit_now(EXIT_NONFINITE_LOSS)
     except BaseException:  # a bug, not bad input: keep the traceback, still exit cleanly
         traceback.print_exc()
