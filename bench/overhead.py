@@ -2,14 +2,14 @@
 and initial weights, interleaved in one process group so both see the same machine load.
 
 usage: torchrun --nproc_per_node 4 bench/overhead.py MESH [PAIRS]
-   e.g. OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/overhead.py dp=4 40
+   e.g. OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/overhead.py dp=4 160
 
 After the warm-up, each pair times one step of each, alternating which goes first, so
 slow drifts in machine load hit both alike; the ratio of each pair is one sample. A step
 is timed on rank 0 from a barrier to the end of the step, which both end by reading the
 loss. The engine's step is its real loop step (engine.train.logged_step:
 batch, forward+backward, clip, AdamW, LR schedule, metrics line and JSON record, the
-memory all-reduce); its log goes to a scratch folder and /dev/null. Prints the median
+memory maximum over ranks); its log goes to a scratch folder and /dev/null. Prints the median
 step times and the median and quartiles of the per-pair ratios engine / hand-written.
 """
 

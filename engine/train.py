@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from engine.data import local_batch
 from engine.errors import NonFiniteLoss
 from engine.grad_norm import clip_grad_norm
-from engine.memory import largest_over_ranks
+from engine.memory import LargestOverRanks
 from engine.metrics import RunShape, StepLog
 from engine.throughput import device_peak_flops
 
@@ -92,13 +92,18 @@ def forward_backward(model, inputs, targets, micro_batches: int = 1) -> torch.Te
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
-               data_group=None, micro_batches: int = 1, inspect_grads=None) -> StepResult:
-    """`inspect_grads(model)`, when given, sees the gradients before clipping (parity checks)."""
+               data_group=None, micro_batches: int = 1, inspect_grads=None,
+               after_backward=None) -> StepResult:
+    """`inspect_grads(model)`, when given, sees the gradients before clipping (parity checks);
+    `after_backward()` runs as soon as the backward has been issued (metrics)."""
     lr = scheduler.get_last_lr()[0]
     started = time.perf_counter()
+    local_loss = forward_backward(model, inputs, targets, micro_batches)
+    if after_backward is not None:
+        after_backward()
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
-    loss = global_mean(forward_backward(model, inputs, targets, micro_batches), data_group)
+    loss = global_mean(local_loss, data_group)
     computed = time.perf_counter()
     if inspect_grads is not None:
         inspect_grads(model)
@@ -113,7 +118,7 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
 
 
 def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
-             unshard=None) -> StepResult:
+             unshard=None, after_backward=None) -> StepResult:
     """One optimizer step of the loop: this rank's rows of batch `step`, then train_step.
     `unshard` starts the first all-gathers so that they overlap with building the batch."""
     started = time.perf_counter()
@@ -124,17 +129,19 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     inputs, targets = inputs.to(device), targets.to(device)
     data_s = time.perf_counter() - started
     result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
-                        dims.data.get_group(), t.micro_batches)
+                        dims.data.get_group(), t.micro_batches, after_backward=after_backward)
     result.data_s = data_s
     return result
 
 
 def logged_step(model, optimizer, scheduler, source, step: int, cfg, dims, device, log: StepLog,
                 shape: RunShape, unshard=None) -> StepResult:
-    """run_step, then its metrics (memory is a collective, so every rank calls this)."""
+    """run_step, then its metrics. Memory is read after backward, where activations and
+    gradients coexist, and reduced over ranks in the background (every rank calls this)."""
     started = time.perf_counter()
-    result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard)
-    log.step(step, result, time.perf_counter() - started, shape, largest_over_ranks(device))
+    memory = LargestOverRanks(device)
+    result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard, memory.start)
+    log.step(step, result, time.perf_counter() - started, shape, memory.result())
     return result
 
 

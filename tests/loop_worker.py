@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # noqa: E402
 
+import engine.memory  # noqa: E402
 import parallel  # noqa: E402,F401
 from engine.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
 from engine.data import CorpusSource, local_batch  # noqa: E402
@@ -235,6 +236,24 @@ def check_norms(dims, cfg, source, options: ParallelConfig) -> dict:
     return report
 
 
+def check_memory(dims) -> dict:
+    """The memory line's max over ranks, reduced in the background while the loss is
+    averaged over the data ranks, as the loop does. Each rank pretends to hold its rank
+    number of GiB (and ten more at peak), so every rank must see the last rank's figures."""
+    real = engine.memory.rank_memory
+    engine.memory.rank_memory = lambda device: (float(dist.get_rank()), 10.0 + dist.get_rank())
+    try:
+        memory = engine.memory.LargestOverRanks(torch.device("cpu"))
+        memory.start()
+        loss = global_mean(torch.tensor(float(dims.data_rank)), dims.data.get_group())
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, {"memory": list(memory.result()), "loss": loss})
+    finally:
+        engine.memory.rank_memory = real
+    return {"seen": seen, "expected_memory": [dist.get_world_size() - 1.0, 10.0 + dist.get_world_size() - 1],
+            "expected_loss": (dims.data_size - 1) / 2}
+
+
 def main() -> None:
     mesh_text, out_path = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -252,6 +271,7 @@ def main() -> None:
         # Recomputation runs each block's forward again inside its backward.
         report["prefetch_ac"] = check_prefetch(dims, cfg, source, ParallelConfig(activation_checkpoint="full"))
     report["accumulation"] = check_accumulation(dims, cfg, source, reference_model())
+    report["memory"] = check_memory(dims)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()

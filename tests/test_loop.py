@@ -17,6 +17,8 @@ per mesh, several checks per launch.
   norm weights sit on a different mesh from the rest): 2- and inf-norm within 1e-5
   relative of torch's on one process; gradients clipped to a quarter of the norm within
   1e-5 absolute of torch's clip_grad_norm_.
+- Memory: the largest figure over ranks, reduced in the background while another
+  collective runs, reaches every rank.
 """
 
 import json
@@ -109,3 +111,12 @@ def test_grad_norm_and_clipping_match_one_process(reports, mesh):
         # Without SP the norm weights live on the dp mesh alone; with SP everything is on (dp, tp).
         assert report["norms"]["llama"]["meshes"] == ["('dp', 'tp')", "('dp',)"]
         assert report["norms"]["llama_sp"]["meshes"] == ["('dp', 'tp')"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", NPROC)
+def test_memory_is_the_largest_over_ranks_on_every_rank(reports, mesh):
+    memory = reports(mesh)["memory"]
+    assert len(memory["seen"]) == NPROC[mesh]
+    for seen in memory["seen"]:
+        assert seen == {"memory": memory["expected_memory"], "loss": memory["expected_loss"]}
