@@ -1,7 +1,7 @@
 """The engine's step time against bench/handwritten.py on the same model, mesh, batches
 and initial weights, interleaved in one process group so both see the same machine load.
 
-usage: torchrun --nproc_per_node 4 bench/overhead.py MESH [PAIRS]
+usage: torchrun --nproc_per_node 4 bench/overhead.py MESH [PAIRS, default 160]
    e.g. OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/overhead.py dp=4 160
 
 After the warm-up, each pair times one step of each, alternating which goes first, so
@@ -71,7 +71,7 @@ def timed(step_fn, step: int) -> tuple[float, float]:
 
 def main() -> None:
     mesh_text = sys.argv[1]
-    pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 160
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -30,7 +30,7 @@ class LargestOverRanks:
     `start()` reads this rank's memory and launches the MAX all-reduce without waiting;
     `result()` waits for it. Started right after backward, the reduction overlaps with the
     loss reduction and the optimizer step instead of making every rank meet once more per
-    step, which cost 1 to 2% of the step on a loaded CPU (docs/benchmarks.md)."""
+    step, which cost about 2% of the step on a 2-core CPU (docs/benchmarks.md)."""
 
     def __init__(self, device: torch.device):
         self.device = device
