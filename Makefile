@@ -1,5 +1,8 @@
 # `make run` trains the debug model on the default mesh; `make test` runs the suite.
 # Both create .venv on first use and install only what is missing.
+# `make test-docs` runs every command the README and docs/ show, as typed.
+# `make test-compat TORCH_SPEC=torch==2.11.0` runs the parity and combination subset
+# on another torch, in an environment of its own (see README, "Torch versions").
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,8 +11,16 @@ PY := $(VENV)/bin/python
 # the local CPU build; override it (e.g. TORCH_SPEC="torch==2.11.0") for other set-ups.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# Environments for other torch versions live outside the checkout, one per version,
+# so a new clone (or CI run) on the same machine reuses the multi-GB download.
+COMPAT_ROOT ?= $(HOME)/.cache/meshtrain
+COMPAT_VENV := $(COMPAT_ROOT)/$(subst ==,-,$(subst $() ,,$(TORCH_SPEC)))
+# The project's own requirements from setup.cfg, without torch (TORCH_SPEC gives it).
+REQUIREMENTS = $(shell $(PYTHON) -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); \
+	print(' '.join(r for r in (c['options']['install_requires'] + c['options.extras_require']['test']).split() \
+	if not r.startswith('torch')))")
 
-.PHONY: run test env clean
+.PHONY: run test test-docs env clean compat-env test-compat
 
 $(VENV)/.ready: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -24,6 +35,19 @@ run: env
 
 test: env
 	$(PY) -m pytest -q tests $(ARGS)
+
+$(COMPAT_VENV)/.ready: setup.cfg
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(REQUIREMENTS)
+	touch $@
+
+test-docs: env
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)
+
+compat-env: $(COMPAT_VENV)/.ready
+
+test-compat: compat-env
+	$(COMPAT_VENV)/bin/python -m pytest -q -m compat tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

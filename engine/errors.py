@@ -5,6 +5,8 @@ process exits with code 2; a `NonFiniteLoss` likewise, with code 3; everything
 else is a bug and keeps its traceback.
 """
 
+EXIT_OK = 0
+EXIT_FAILED = 1  # a parity FAIL, or a crash
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE_LOSS = 3
 

@@ -9,6 +9,7 @@ in the table (any CPU, an unlisted GPU) gets no MFU, only achieved FLOP/s.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 # Checked in order: the first name fragment found in the device name wins.
 PEAK_BF16_FLOPS = (
@@ -34,3 +35,22 @@ def device_peak_flops(device: torch.device) -> tuple[str, float | None]:
         return device.type, None
     name = torch.cuda.get_device_name(device)
     return name, peak_flops_for(name)
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: the model's own `flops_per_token(seq_len)` when it has one,
+    else the estimate of PaLM (appendix B), as torchtitan counts: 6 per weight used in a
+    matmul (forward 2, backward 4), plus 12 * n_layers * dim * seq_len for the attention
+    scores and their weighted sum (not halved for the causal mask) when the model's args
+    give n_layers and dim. An embedding is a lookup, not a matmul, so its weight counts
+    only when a Linear shares it (tied output projection)."""
+    own = getattr(model, "flops_per_token", None)
+    if callable(own):
+        return float(own(seq_len))
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_weights
+    matmul_weights = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    args = getattr(model, "args", None)
+    n_layers, dim = getattr(args, "n_layers", None), getattr(args, "dim", None)
+    attention = 12 * n_layers * dim * seq_len if isinstance(n_layers, int) and isinstance(dim, int) else 0
+    return float(6 * matmul_weights + attention)

@@ -23,7 +23,7 @@ from engine.errors import NonFiniteLoss
 from engine.grad_norm import clip_grad_norm
 from engine.memory import LargestOverRanks
 from engine.metrics import RunShape, StepLog
-from engine.throughput import device_peak_flops
+from engine.throughput import device_peak_flops, flops_per_token
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):
@@ -149,7 +149,7 @@ def run_shape(model, cfg, device) -> RunShape:
     t = cfg.training
     name, peak = device_peak_flops(device)
     return RunShape(tokens_per_step=t.global_batch * t.seq_len, world_size=dist.get_world_size(),
-                    flops_per_token=model.flops_per_token(t.seq_len), device_name=name, peak_flops=peak)
+                    flops_per_token=flops_per_token(model, t.seq_len), device_name=name, peak_flops=peak)
 
 
 def train(model, cfg, source, dims, device, log: StepLog, unshard=None,

@@ -1,9 +1,10 @@
 """Train a model on a mesh: `python launch/run.py` or `torchrun ... launch/run.py`.
 
-Run without torchrun, it checks the config and mesh, then starts itself under
-torchrun with as many processes as the mesh needs. Under torchrun, each rank
-checks again before any process group exists, then: mesh, model on meta,
-plan, materialise, loop. Bad input exits with code 2 and one paragraph.
+Run without torchrun, it checks the config and mesh, then runs torchrun's agent in
+this process with as many ranks as the mesh needs, and exits with the ranks' own
+code (launch/exits.py). Under torchrun, each rank checks again before any process
+group exists, then: mesh, model on meta, plan, materialise, loop. Bad input exits
+with code 2 and one paragraph.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from engine.config import load_config  # noqa: E402
-from engine.errors import EXIT_NONFINITE_LOSS, EXIT_USER_ERROR, NonFiniteLoss, UserError  # noqa: E402
+from engine.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
+                           NonFiniteLoss, UserError)
+from launch.exits import leave_crash, leave_error, ranks_print_errors, run_agent  # noqa: E402
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
 
@@ -78,17 +81,19 @@ def check(args: argparse.Namespace, world_size: int | None):
         cfg.data.path = str(REPO / data_path)  # shipped data, found from any working directory
     import parallel  # noqa: F401  (registers the built-in plans)
     from engine.plugins import load_plugins
-    from models import build_on_meta, model_args
+    from models import build_on_meta
+    from models.contract import check_model_contract
     from parallel.apply import tensor_parallel_styles
+    from parallel.fsdp_internals import check_supported
     from parallel.plan import get_plan
-    from parallel.reshard import resolve_reshard
+    from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
     from parallel.validate import validate_plan
     load_plugins(cfg.model.plugin)
     plan = get_plan(cfg.parallel.plan)
     pick_device(cfg)
-    args_ = model_args(cfg.model.name, cfg.model.flavor)
-    if spec.tp > 1:  # on meta: shapes only, so even a 70B model costs nothing here
-        model = build_on_meta(cfg.model.name, cfg.model.flavor)
+    model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
+    check_model_contract(model, cfg.model.name)
+    if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
                       cfg.parallel.sequence_parallel)
     data_size = spec.hsdp * spec.dp
@@ -96,7 +101,8 @@ def check(args: argparse.Namespace, world_size: int | None):
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not divide over "
                         f"{data_size} data-parallel ranks (hsdp x dp of --mesh {spec}). Use a multiple "
                         f"of {data_size}.")
-    resolve_reshard(cfg.parallel.reshard_after_forward, spec)
+    if needs_own_post_forward_mesh(resolve_reshard(cfg.parallel.reshard_after_forward, spec), spec):
+        check_supported()
     if spec.tp > 1 and cfg.parallel.sequence_parallel and cfg.training.seq_len % spec.tp:
         raise UserError(f"training.seq_len={cfg.training.seq_len} does not split over tp={spec.tp} "
                         f"with parallel.sequence_parallel=true. Use a multiple of {spec.tp}.")
@@ -105,9 +111,9 @@ def check(args: argparse.Namespace, world_size: int | None):
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not split into "
                         f"training.micro_batches={micro} equal micro-batches on each of {data_size} "
                         f"data-parallel ranks. Use a global batch that is a multiple of {data_size * micro}.")
-    if cfg.training.seq_len > args_.max_seq_len:
+    if cfg.training.seq_len > model.args.max_seq_len:
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
-                        f"{args_.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
+                        f"{model.args.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
     if args.parity:
         check_parity(cfg)
     else:
@@ -140,15 +146,14 @@ def find_checkpoint(cfg) -> Path | None:
     return resume_folder(to_dict(cfg), cfg.checkpoint, cfg.run.dir, expected, cfg.training.steps)
 
 
-def relaunch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
-    """Replace this process by torchrun running this script on `nproc` local ranks."""
+def launch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Run this script on `nproc` local ranks under torchrun's agent, in this process;
+    returns the ranks' exit code (launch/exits.py)."""
     # One thread per rank unless the user chose: ranks share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-               str(Path(__file__).resolve()), *argv]
     sys.stdout.flush()
-    os.execv(sys.executable, command)
+    return run_agent(["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+                      str(Path(__file__).resolve()), *argv])
 
 
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
@@ -160,6 +165,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     from engine.train import train
     from parallel.plan import get_plan
     from parallel.prefetch import prefetch_order, unshard_ahead
+    from parallel.reshard import describe_auto
 
     dims, device = start_process_group(cfg, spec)
     plan = get_plan(cfg.parallel.plan)
@@ -170,6 +176,8 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device.type}/{pick_device(cfg)[1]}) | "
               f"model {cfg.model.name}/{cfg.model.flavor} | plan {plan.name}")
 
+    if cfg.parallel.reshard_after_forward == "auto":
+        log.print(describe_auto(spec))
     model, applied = sharded_model(cfg, dims, device, prefetch=cfg.prefetch)
     log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     if show_plan:
@@ -190,6 +198,15 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def stop_with_error(paragraph: str, code: int) -> None:
+    """Bad input or a non-finite loss: one paragraph, printed once, and left for torchrun."""
+    message = f"error: {paragraph}"
+    leave_error(message)
+    if is_rank_zero() and ranks_print_errors():
+        print(message, file=sys.stderr)
+    exit_now(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # FSDP warns when the root returns a view (TP's replicated logits are one), in case the
@@ -200,27 +217,24 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
-            relaunch_under_torchrun(spec.world_size, argv, args.max_restarts)
+            exit_now(launch_under_torchrun(spec.world_size, argv, args.max_restarts))
         if args.parity:
             from launch.parity import run_parity
             exit_now(run_parity(cfg, spec))
         train_on_mesh(cfg, spec, show_plan=args.explain)
     except UserError as err:
-        if is_rank_zero():
-            print(f"error: {err}", file=sys.stderr)
-        exit_now(EXIT_USER_ERROR)
+        stop_with_error(str(err), EXIT_USER_ERROR)
     except NonFiniteLoss as err:  # every rank sees the same global loss, so all stop here
-        if is_rank_zero():
-            print(f"error: {err}", file=sys.stderr)
-        # torchrun stops the other ranks as soon as one exits non-zero: let rank 0 finish
-        # its message first.
+        # Under a user's torchrun, the others would be stopped as soon as one exits:
+        # let rank 0 finish its message first.
         import torch.distributed as dist
         dist.barrier()
-        exit_now(EXIT_NONFINITE_LOSS)
-    except BaseException:  # a bug, not bad input: keep the traceback, still exit cleanly
+        stop_with_error(str(err), EXIT_NONFINITE_LOSS)
+    except BaseException as err:  # a bug, not bad input: keep the traceback, still exit cleanly
         traceback.print_exc()
-        exit_now(1)
-    exit_now(0)
+        leave_crash(err)
+        exit_now(EXIT_FAILED)
+    exit_now(EXIT_OK)
 
 
 if __name__ == "__main__":

@@ -145,16 +145,6 @@ class Llama(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin)
         return self.output(self.norm(h))
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, as PaLM (appendix B) and torchtitan count them:
-        6 per weight used in a matmul (forward 2, backward 4), plus 12 * layers * dim * seq_len
-        for the attention scores and their weighted sum (not halved for the causal mask).
-        The embedding is a lookup, not a matmul, so it counts only when tied to the output."""
-        matmul_weights = sum(p.numel() for p in self.parameters())  # parameters() counts a tied weight once
-        if not self.args.tie_embeddings:
-            matmul_weights -= self.tok_embeddings.weight.numel()
-        return 6 * matmul_weights + 12 * self.args.n_layers * self.args.dim * seq_len
-
     def reset_buffers(self) -> None:
         cos, sin = rope_tables(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)

@@ -28,8 +28,8 @@ from parallel.mesh import ParallelDims
 from parallel.plan import Plan, expand
 from parallel.prefetch import apply_prefetch, prefetch_order
 from parallel.validate import validate_plan
-from parallel.reshard import (build_post_forward_mesh, check_supported, install_post_forward_mesh,
-                              resolve_reshard)
+from parallel.fsdp_internals import install_post_forward_mesh
+from parallel.reshard import build_post_forward_mesh, needs_own_post_forward_mesh, resolve_reshard
 
 # Op-level selective AC keeps the results of these (the expensive ones) and recomputes the rest.
 SAVED_OPS = {
@@ -68,17 +68,37 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims,
     return styles
 
 
-def _save_chosen_ops(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _draws_random_numbers(op) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
-def checkpoint_block(block: nn.Module, op_level: bool) -> None:
-    """Recompute the block's activations in backward. Wrapping `forward` in place keeps
-    parameter names unchanged, so checkpoints and plans see the same paths."""
+def checkpoint_policy(op_level: bool, compiled: bool):
+    """What a checkpointed block saves, as a selective-checkpoint policy; None recomputes
+    everything. `op` keeps the results of SAVED_OPS.
+
+    A compiled block never recomputes an op that draws random numbers (SDPA counts,
+    even without dropout): on torch 2.13, AOT autograd replays such an op by saving
+    its RNG state, and it appends that state after the DeviceMesh that DTensor (TP)
+    inputs bring into the graph, so the saved values are read back shifted by one and
+    the first forward fails with "expected all tensors_saved_with_vc_check to be
+    Tensors ... DeviceMesh". Saving the op's output instead leaves the numbers as
+    they were (docs/parallelism.md, "compile, activation checkpointing and TP")."""
+    if not (op_level or compiled):
+        return None
+
+    def policy(ctx, op, *args, **kwargs):
+        keep = (op_level and op in SAVED_OPS) or (compiled and _draws_random_numbers(op))
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def checkpoint_block(block: nn.Module, policy=None) -> None:
+    """Recompute the block's activations in backward, except what `policy` saves.
+    Wrapping `forward` in place keeps parameter names unchanged, so checkpoints and
+    plans see the same paths."""
     forward = block.forward
-    context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_chosen_ops)
-                  if op_level else None)
-    extra = {"context_fn": context_fn} if context_fn else {}
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)} if policy else {}
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
@@ -92,8 +112,9 @@ def apply_activation_checkpoint(block_paths: list[str], model: nn.Module,
     mode = options.activation_checkpoint
     chosen = [path for index, path in enumerate(block_paths)
               if mode in ("full", "op") or (mode == "selective" and index % options.checkpoint_every == 0)]
+    policy = checkpoint_policy(op_level=mode == "op", compiled=options.compile)
     for path in chosen:
-        checkpoint_block(model.get_submodule(path), op_level=mode == "op")
+        checkpoint_block(model.get_submodule(path), policy)
     return chosen
 
 
@@ -127,11 +148,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     policies = fsdp_policies(options, dims.device_type)
     reshard = resolve_reshard(options.reshard_after_forward, dims.spec)
     post_forward_mesh = None
-    if not isinstance(reshard, bool):
-        check_supported()
+    if needs_own_post_forward_mesh(reshard, dims.spec):
         post_forward_mesh = build_post_forward_mesh(dims, reshard)
     for block in blocks:
-        fully_shard(block, mesh=dims.fsdp, reshard_after_forward=post_forward_mesh is not None or reshard,
+        fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
                     **policies)
         if post_forward_mesh is not None:
             install_post_forward_mesh(block, post_forward_mesh)

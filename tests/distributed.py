@@ -44,5 +44,6 @@ def parity_report(tmp_root: Path, mesh: str, *overrides: str, steps: int = 3) ->
                           "--set", f"parity.report={out}", "--set", f"run.dir={tmp_root}",
                           *[arg for o in overrides for arg in ("--set", o)], timeout=600)
         assert out.exists(), result.stdout[-3000:] + result.stderr[-4000:]
+        assert "Traceback" not in result.stderr, result.stderr[-4000:]  # a verdict, never a crash
         _REPORTS[key] = json.loads(out.read_text()), result.returncode
     return _REPORTS[key]

@@ -27,12 +27,12 @@ import parallel  # noqa: E402,F401
 from engine.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
 from engine.data import CorpusSource, local_batch  # noqa: E402
 from engine.grad_norm import clip_grad_norm, grad_norm  # noqa: E402
-from engine.compare import full, max_abs_diff  # noqa: E402
+from engine.compare import digest, full, max_abs_diff  # noqa: E402
 from engine.train import build_optimizer, forward_backward, global_mean, run_step  # noqa: E402
 from models import build_on_meta  # noqa: E402
 from models.materialise import materialise  # noqa: E402
 from parallel.apply import apply_plan  # noqa: E402
-from parallel.mesh import build_mesh, parse_mesh  # noqa: E402
+from parallel.mesh import MeshSpec, build_mesh, parse_mesh  # noqa: E402
 from parallel.plan import Plan, get_plan  # noqa: E402
 from parallel.prefetch import prefetch_order, unshard_ahead  # noqa: E402
 
@@ -236,6 +236,27 @@ def check_norms(dims, cfg, source, options: ParallelConfig) -> dict:
     return report
 
 
+def step0_fingerprint(dims, cfg, source, options: ParallelConfig) -> dict:
+    """The step-0 loss and a digest of every full gradient, for bitwise comparisons."""
+    model = sharded_model(get_plan("llama"), dims, options=options)
+    t = cfg.training
+    inputs, targets = local_batch(source, 0, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+    loss = global_mean(forward_backward(model, inputs, targets), dims.data.get_group())
+    return {"loss": loss, "grads": {name: digest(full(p.grad)) for name, p in model.named_parameters()}}
+
+
+def check_neutrality(dims, cfg, source) -> dict:
+    """AC modes on this mesh, and reshard settings on dp over the same ranks: each must
+    give bitwise what the default gives (they change what is kept, never the math)."""
+    report = {f"ac_{mode}": step0_fingerprint(dims, cfg, source, ParallelConfig(activation_checkpoint=mode))
+              for mode in ("none", "full", "selective", "op")}
+    dp_only = build_mesh(MeshSpec(dp=dist.get_world_size()), "cpu")
+    for setting in (True, False, 2):
+        report[f"reshard_{setting}"] = step0_fingerprint(dp_only, cfg, source,
+                                                         ParallelConfig(reshard_after_forward=setting))
+    return report
+
+
 def check_memory(dims) -> dict:
     """The memory line's max over ranks, reduced in the background while the loss is
     averaged over the data ranks, as the loop does. Each rank pretends to hold its rank
@@ -265,6 +286,7 @@ def main() -> None:
     report = {"mesh": mesh_text, "norms": {"llama": check_norms(dims, cfg, source, ParallelConfig())}}
     if dims.tp_enabled:
         report["norms"]["llama_sp"] = check_norms(dims, cfg, source, ParallelConfig(sequence_parallel=True))
+        report["neutrality"] = check_neutrality(dims, cfg, source)
     else:
         report["prefetch"] = check_prefetch(dims, cfg, source, ParallelConfig())
         report["prefetch"]["custom_order_all_gathers"] = forward_all_gathers_with_custom_order(dims, cfg, source)

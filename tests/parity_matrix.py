@@ -1,30 +1,59 @@
-"""Print the parity matrix as a markdown table (the figures in docs/parallelism.md):
-`launch/run.py --parity` once per row of tests/test_parity.py.
+"""Print the combination matrix and the extra parity rows as markdown tables (the
+figures in docs/parallelism.md): `launch/run.py --parity` once per row of
+tests/combinations.py and of tests/test_parity.py, with each launch's wall time.
 
-usage: python -m tests.parity_matrix [CASE ...]     (from the repository root)
+usage: python -m tests.parity_matrix [ROW ...]     (from the repository root, in .venv;
+                                                   ROW: a combination index or an extra id)
 """
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from tests.combinations import FACTORS, ROWS, STEPS, mesh_of, overrides
 from tests.distributed import parity_report
 from tests.test_parity import MATRIX
 
+DEFAULTS = {"sequence_parallel": False, "loss_parallel": False, "activation_checkpoint": "none",
+            "compile": False, "reshard_after_forward": "true", "param_dtype": "float32", "offload": False,
+            "micro_batches": 1, "prefetch_forward": 0, "prefetch_backward": 0, "optimizer": "adamw"}
+HEADER = ("| row | mesh | settings (besides the defaults) | verdict | step-0 loss diff | max grad diff | "
+          "grad-norm rel diff | max later-loss diff | seconds |\n|---|---|---|---|---|---|---|---|---|")
 
-def main(cases: list[str]) -> None:
+
+def line(name: str, mesh: str, settings: str, report: dict, seconds: float) -> str:
+    rows = report["steps_table"]
+    later = max(row["loss_diff"] for row in rows[1:])
+    return (f"| {name} | {mesh} | {settings or '-'} | {report['verdict']} | {rows[0]['loss_diff']:.1e} | "
+            f"{report['gradients']['max_abs_diff']:.1e} | {rows[0]['grad_norm_rel_diff']:.1e} | {later:.1e} | "
+            f"{seconds:.0f} |")
+
+
+def timed(root: Path, mesh: str, *settings: str) -> tuple[dict, float]:
+    started = time.monotonic()
+    report, _ = parity_report(root, mesh, *settings, steps=STEPS)
+    return report, time.monotonic() - started
+
+
+def main(chosen: list[str]) -> None:
     root = Path(tempfile.mkdtemp(prefix="parity-"))
-    print("| case | mesh | settings | verdict | step-0 loss diff | max grad diff | grad-norm rel diff | max later-loss diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    for case in cases or MATRIX:
-        mesh, overrides = MATRIX[case]
-        report, _ = parity_report(root, mesh, *overrides)
-        rows = report["steps_table"]
-        later = max(row["loss_diff"] for row in rows[1:])
-        settings = " ".join(o.split(".", 1)[1] for o in overrides) or "-"
-        print(f"| {case} | {mesh} | {settings} | {report['verdict']} | {rows[0]['loss_diff']:.1e} | "
-              f"{report['gradients']['max_abs_diff']:.1e} | {rows[0]['grad_norm_rel_diff']:.1e} | {later:.1e} |",
-              flush=True)
+    print(HEADER)
+    total = 0.0
+    for index, row in enumerate(ROWS):
+        if chosen and str(index) not in chosen:
+            continue
+        report, seconds = timed(root, mesh_of(row), *overrides(row))
+        total += seconds
+        settings = " ".join(f"{k}={row[k]}" for k in FACTORS if k != "mesh" and row[k] != DEFAULTS[k])
+        print(line(str(index), mesh_of(row), settings, report, seconds), flush=True)
+    for case, (mesh, settings) in MATRIX.items():
+        if chosen and case not in chosen:
+            continue
+        report, seconds = timed(root, mesh, *settings)
+        total += seconds
+        print(line(case, mesh, " ".join(o.split(".", 1)[1] for o in settings), report, seconds), flush=True)
+    print(f"\n{total:.0f} s of launches in all")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,34 @@
 """The launcher end to end: bad input exits 2 with one paragraph, good input trains.
 
-Error cases never reach a process group, so they take a second each. The training
-cases are real multi-process runs (torchrun, gloo, CPU).
+Every bad-input case runs through the launcher's own checks (launch/run.py: check) in
+this process, which is where the command line stops before any process group; a few
+also run through the real command line, to see the exit code and the one paragraph. The
+training cases are real multi-process runs (torchrun, gloo, CPU).
 """
 
 import json
 
 import pytest
 
+from engine.errors import UserError
+from launch.run import check, parse_args
 from tests.distributed import cpu_env, launcher
+
+
+def refused(*args: str) -> str:
+    """The paragraph the command line would print for these arguments, from its checks."""
+    parsed = parse_args(list(args))
+    with pytest.raises(UserError) as err:
+        check(parsed, parsed.nproc)
+    message = f"error: {err.value}"
+    assert "\n\n" not in message, message
+    return message
+
+
+def assert_refused(args, *fragments) -> None:
+    message = refused(*args)
+    for fragment in fragments:
+        assert fragment in message, message
 
 
 def assert_clean_error(result, *fragments):
@@ -20,7 +40,7 @@ def assert_clean_error(result, *fragments):
         assert fragment in message, message
 
 
-@pytest.mark.parametrize("args,fragments", [
+BAD_INPUT = [
     (["--mesh", "dp=4,pp=2"], ["unknown dimension 'pp'", "hsdp, dp, tp"]),
     (["--mesh", "dp=4,tp"], ["cannot read 'tp'"]),
     (["--mesh", "dp=0,tp=2"], ["dp=0 is not a valid size"]),
@@ -42,8 +62,17 @@ def assert_clean_error(result, *fragments):
     (["--parity", "--set", "parity.reference=false"], ["nothing to compare with", "parity.check_against"]),
     (["--parity", "--set", "parity.check_against=missing.json"], ["'missing.json' does not exist"]),
     (["--parity", "--set", "optim.name=lion"], ["accepted values: adamw, sgd"]),
-])
-def test_bad_input_without_torchrun(args, fragments):
+]
+
+
+@pytest.mark.parametrize("args,fragments", BAD_INPUT)
+def test_bad_input_is_refused_before_any_process_group(args, fragments):
+    assert_refused(args, *fragments)
+
+
+@pytest.mark.parametrize("case", [0, 6, 13, 16])  # a mesh, a world size, a plan, a plugin
+def test_bad_input_on_the_command_line_exits_2_with_one_paragraph(case):
+    args, fragments = BAD_INPUT[case]
     assert_clean_error(launcher(*args, timeout=60), *fragments)
 
 
@@ -71,28 +100,3 @@ def test_training_is_deterministic_and_learns(tmp_path):
         runs.append(losses(tmp_path / name))
     assert runs[0] == runs[1]
     assert runs[0][-1] < runs[0][0] - 1.0
-
-
-@pytest.mark.distributed
-def test_hsdp_with_tp_trains_on_eight_ranks(tmp_path):
-    result = launcher("--mesh", "hsdp=2,dp=2,tp=2", "--set", "training.steps=4", "--set", f"run.dir={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "mesh hsdp=2,dp=2,tp=2 on 8 ranks (cpu/gloo)" in result.stdout
-    run = losses(tmp_path)
-    assert len(run) == 4 and run[-1] < run[0]
-
-
-@pytest.mark.distributed
-def test_readme_command_with_integer_reshard_compile_and_explain(tmp_path):
-    """The default dp=4,tp=2 run with reshard_after_forward=2 and torch.compile, plus --explain."""
-    result = launcher("--mesh", "dp=4,tp=2", "--explain", "--set", "parallel.reshard_after_forward=2",
-                      "--set", "parallel.compile=true", "--set", "training.steps=3",
-                      "--set", f"run.dir={tmp_path}", timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    table = result.stdout
-    assert "layers.0.attention.wq" in table and "ColwiseParallel" in table
-    block_row = next(line for line in table.splitlines() if line.startswith("layers.0 "))
-    assert "unit" in block_row and " 2 " in block_row and "yes" in block_row
-    assert "this rank holds" in table
-    run = losses(tmp_path)
-    assert len(run) == 3 and run[-1] < run[0]

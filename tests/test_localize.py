@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from engine import trajectory
 from engine.compare import tolerance_for
@@ -21,13 +20,6 @@ from engine.localize import RankPiece, expected_pieces, localize
 from engine.reference import Reference
 from launch.build import single_device_model
 from tests.distributed import REPO
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def models_and_batch():

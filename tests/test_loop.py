@@ -17,6 +17,9 @@ per mesh, several checks per launch.
   norm weights sit on a different mesh from the rest): 2- and inf-norm within 1e-5
   relative of torch's on one process; gradients clipped to a quarter of the norm within
   1e-5 absolute of torch's clip_grad_norm_.
+- Neutrality (dp=2,tp=2 launch): AC none/full/selective/op on that mesh, and
+  reshard_after_forward true/false/2 on dp=4 over the same ranks, give bitwise the same
+  step-0 loss and full gradients.
 - Memory: the largest figure over ranks, reduced in the background while another
   collective runs, reaches every rank.
 """
@@ -120,3 +123,18 @@ def test_memory_is_the_largest_over_ranks_on_every_rank(reports, mesh):
     assert len(memory["seen"]) == NPROC[mesh]
     for seen in memory["seen"]:
         assert seen == {"memory": memory["expected_memory"], "loss": memory["expected_loss"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
+def test_activation_checkpointing_is_bitwise_neutral(reports, mode):
+    neutrality = reports("dp=2,tp=2")["neutrality"]
+    assert neutrality[f"ac_{mode}"] == neutrality["ac_none"]
+    assert len(neutrality["ac_none"]["grads"]) == 4 * 9 + 3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setting", ["False", "2"])
+def test_reshard_setting_is_bitwise_neutral(reports, setting):
+    neutrality = reports("dp=2,tp=2")["neutrality"]
+    assert neutrality[f"reshard_{setting}"] == neutrality["reshard_True"]

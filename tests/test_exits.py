@@ -1,0 +1,45 @@
+"""Exit codes and error reports, as a user meets them (launch/exits.py): through
+`python launch/run.py`, which runs torchrun's agent in-process, and under the user's
+own torchrun. Real launches: torchrun over gloo on the CPU, 2 ranks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed import REPO, cpu_env, launcher
+
+CRASHING = ("--set", "model.plugin=tests.crashing_model", "--set", "model.name=crashing")
+
+
+@pytest.mark.distributed
+@pytest.mark.compat
+def test_a_crash_in_the_ranks_exits_1_with_their_traceback_only(tmp_path):
+    result = launcher("--mesh", "dp=2", *CRASHING, "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "RuntimeError: planted crash in forward" in result.stderr
+    assert "ChildFailedError" not in result.stderr and "torch/distributed/run.py" not in result.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.compat
+def test_user_torchrun_reports_our_paragraph_as_the_root_cause():
+    """Rank 1 may exit first and torchrun may stop rank 0 before it prints: the paragraph
+    still reaches the summary, through the error file every rank writes."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             str(REPO / "launch" / "run.py"), "--mesh", "dp=3,tp=2"],
+                            cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    root_cause = result.stderr[result.stderr.index("Root Cause"):]
+    assert "exitcode  : 2" in root_cause
+    assert "error: --mesh dp=3,tp=2 needs 6 ranks but the world size is 2." in root_cause, root_cause
+
+
+@pytest.mark.distributed
+def test_user_torchrun_reports_a_crash_with_its_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             str(REPO / "launch" / "run.py"), "--mesh", "dp=2", *CRASHING,
+                             "--set", f"run.dir={tmp_path}"],
+                            cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    root_cause = result.stderr[result.stderr.index("Root Cause"):]
+    assert "RuntimeError: planted crash in forward" in root_cause, root_cause

@@ -1,0 +1,124 @@
+"""Several nodes, simulated on this machine: two torchrun agents (c10d rendezvous on
+127.0.0.1, 4 ranks each, gloo), as docs/multinode.md starts them on two hosts."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import REPO, cpu_env, launcher
+from tests.test_checkpoint import assert_bitwise_equal
+from tests.test_cli import losses
+
+MESH = "hsdp=2,dp=2,tp=2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(tmp_path, script, *args, max_restarts: int = 0) -> list[subprocess.Popen]:
+    """Two agents of one job; each writes node<N>.out and node<N>.err under tmp_path."""
+    port, nodes = free_port(), []
+    for node in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "4",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tmp_path.name,
+                   f"--max-restarts={max_restarts}", str(script), *args]
+        nodes.append(subprocess.Popen(command, cwd=REPO, env=cpu_env(),
+                                      stdout=open(tmp_path / f"node{node}.out", "w"),
+                                      stderr=open(tmp_path / f"node{node}.err", "w")))
+    return nodes
+
+
+def finish(nodes, timeout=400) -> list[int]:
+    return [node.wait(timeout=timeout) for node in nodes]
+
+
+def output(tmp_path) -> str:
+    return "".join((tmp_path / f"node{n}.out").read_text() for n in range(2))
+
+
+def errors(tmp_path) -> str:
+    return "".join((tmp_path / f"node{n}.err").read_text()[-3000:] for n in range(2))
+
+
+RUN = REPO / "launch" / "run.py"
+
+
+ARGS = ["--mesh", MESH, "--set", "parallel.reshard_after_forward=auto", "--set", "training.steps=6",
+        "--set", "checkpoint.every=3"]
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The same job on one node, uninterrupted: the reference for both tests below."""
+    run_dir = tmp_path_factory.mktemp("one-node")
+    result = launcher(*ARGS, "--set", f"run.dir={run_dir}", "--set", f"checkpoint.export={run_dir / 'final.pt'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result.stdout
+
+
+@pytest.mark.distributed
+def test_two_nodes_read_the_node_size_and_match_one_node(tmp_path, one_node):
+    codes = finish(start_nodes(tmp_path, RUN, *ARGS, "--set", f"run.dir={tmp_path / 'two'}"))
+    assert codes == [0, 0], errors(tmp_path)
+    assert "reshard_after_forward=auto: 4 ranks per node (LOCAL_WORLD_SIZE), tp=2, dp=2 -> True" in output(tmp_path)
+    run_dir, stdout = one_node
+    assert "reshard_after_forward=auto: 8 ranks per node (LOCAL_WORLD_SIZE), tp=2, dp=2 -> True" in stdout
+    two, one = losses(tmp_path / "two"), losses(run_dir)
+    assert len(two) == 6 and two == one  # the same collectives on the same ranks: bitwise
+
+
+@pytest.mark.distributed
+@pytest.mark.compat
+def test_restart_after_one_node_lost_a_rank_with_different_restart_counts(tmp_path):
+    nodes = start_nodes(tmp_path, REPO / "tests" / "restart_round_worker.py", str(tmp_path / "left"),
+                        max_restarts=1)
+    assert finish(nodes) == [0, 0], errors(tmp_path)
+    # Ranks share each node's output file, so lines may interleave: read records, not lines.
+    records = re.findall(r"rank (\d+) restart count (\d+) sum (\d+)", output(tmp_path))
+    assert sorted(int(rank) for rank, _, _ in records) == list(range(8))
+    assert {total for _, _, total in records} == {"28"}  # 0 + 1 + ... + 7, across both nodes
+    counts = {count for _, count, _ in records}
+    assert counts == {"0", "1"}, counts  # the agents disagree on the count, the ranks still meet
+
+
+def agent_worker(agent: int) -> int | None:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent:
+                return int(stat.parent.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+@pytest.mark.distributed
+def test_killed_rank_on_one_node_resumes_both_from_the_checkpoint(tmp_path, one_node):
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(tmp_path, RUN, *ARGS, "--set", f"run.dir={run_dir}",
+                        "--set", f"checkpoint.export={tmp_path / 'final.pt'}", max_restarts=1)
+    killed, deadline = None, time.monotonic() + 300
+    while killed is None and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and '"step": 4,' in metrics.read_text():
+            killed = agent_worker(nodes[1].pid)
+            if killed:
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    assert killed, "no worker of the second node was found to kill"
+    assert finish(nodes) == [0, 0], errors(tmp_path)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000003'}" in output(tmp_path)
+    assert_bitwise_equal(torch.load(tmp_path / "final.pt"), torch.load(one_node[0] / "final.pt"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-3:] == [3, 4, 5]
