@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
-from engine.data import CorpusSource, local_batch  # noqa: E402
+from engine.data.sources import CorpusSource, local_batch  # noqa: E402
 from models.llama import FLAVORS, Llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,12 +18,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from engine.data import local_batch
+from engine.data.sources import local_batch
 from engine.errors import NonFiniteLoss
 from engine.grad_norm import clip_grad_norm
-from engine.memory import LargestOverRanks
-from engine.metrics import RunShape, StepLog
-from engine.throughput import device_peak_flops, flops_per_token
+from engine.metrics.memory import LargestOverRanks
+from engine.metrics.log import RunShape, StepLog
+from engine.metrics.throughput import device_peak_flops, flops_per_token
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):

@@ -6,7 +6,7 @@ same global batches: the mesh through the engine's own train_step, the reference
 one process. Rank 0 compares the losses, the gradient norms, every full step-0
 gradient and every weight after the last step; all ranks check that what should be
 replicated over tp is bit-identical. On failure, every rank reruns step 0 with hooks
-on every module (engine/localize.py) and the report names the first module that
+on every module (engine/parity/localize.py) and the report names the first module that
 diverges. Returns the exit code: 0 on PASS, 1 on FAIL.
 """
 
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine import trajectory
-from engine.compare import (check_row, count_replicated, digest, full, max_abs_diff, relative_diff,
+from engine.parity import trajectory
+from engine.parity.compare import (check_row, count_replicated, digest, full, max_abs_diff, relative_diff,
                             replication_mismatches, tolerance_for)
-from engine.data import build_source, local_batch
-from engine.localize import RankPiece, localize
-from engine.parity_report import format_report
-from engine.reference import Reference
+from engine.data.sources import build_source, local_batch
+from engine.parity.localize import RankPiece, localize
+from engine.parity.report import format_report
+from engine.parity.reference import Reference
 from engine.train import build_optimizer, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 

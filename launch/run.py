@@ -122,7 +122,7 @@ def check(args: argparse.Namespace, world_size: int | None):
 
 
 def check_parity(cfg) -> None:
-    from engine import trajectory
+    from engine.parity import trajectory
     from models import build_on_meta
     build_on_meta(cfg.model.name, cfg.model.flavor, cfg.parity.layers)  # a depth the model cannot take fails here
     if cfg.parity.check_against:
@@ -135,7 +135,7 @@ def check_parity(cfg) -> None:
 def find_checkpoint(cfg) -> Path | None:
     """The checkpoint folder to resume from, or None. Every way a checkpoint or an
     init_from file can be wrong surfaces here, before any process group exists."""
-    from engine.checkpoint_store import resume_folder, state_dict_shapes
+    from engine.checkpoint.store import resume_folder, state_dict_shapes
     from engine.config import to_dict
     from models import build_on_meta
     init_from = cfg.checkpoint.init_from
@@ -159,9 +159,9 @@ def launch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) ->
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     import torch.distributed as dist
 
-    from engine.checkpoint import Checkpointer
-    from engine.data import build_source
-    from engine.metrics import StepLog
+    from engine.checkpoint.dcp import Checkpointer
+    from engine.data.sources import build_source
+    from engine.metrics.log import StepLog
     from engine.train import train
     from parallel.plan import get_plan
     from parallel.prefetch import prefetch_order, unshard_ahead

@@ -23,7 +23,7 @@ OPTIONAL = (
      "tensor parallel and materialising replace them"),
     ("flops_per_token", "flops_per_token(seq_len) -> float",
      "training FLOPs per token for the FLOP/s and MFU figures; without it the engine estimates "
-     "6 x matmul parameters + 12 x n_layers x dim x seq_len (engine/throughput.py)"),
+     "6 x matmul parameters + 12 x n_layers x dim x seq_len (engine/metrics/throughput.py)"),
     ("args.n_layers", "int", "parity.layers (a reduced depth) and the FLOPs estimate use it"),
     ("args.dim", "int", "the FLOPs estimate's attention term uses it"),
 )

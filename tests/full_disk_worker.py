@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: E402
 
-from engine.checkpoint_store import step_name  # noqa: E402
+from engine.checkpoint.store import step_name  # noqa: E402
 from launch.run import main  # noqa: E402
 
 

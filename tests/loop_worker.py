@@ -22,12 +22,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # noqa: E402
 
-import engine.memory  # noqa: E402
+import engine.metrics.memory  # noqa: E402
 import parallel  # noqa: E402,F401
 from engine.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
-from engine.data import CorpusSource, local_batch  # noqa: E402
+from engine.data.sources import CorpusSource, local_batch  # noqa: E402
 from engine.grad_norm import clip_grad_norm, grad_norm  # noqa: E402
-from engine.compare import digest, full, max_abs_diff  # noqa: E402
+from engine.parity.compare import digest, full, max_abs_diff  # noqa: E402
 from engine.train import build_optimizer, forward_backward, global_mean, run_step  # noqa: E402
 from models import build_on_meta  # noqa: E402
 from models.materialise import materialise  # noqa: E402
@@ -261,16 +261,16 @@ def check_memory(dims) -> dict:
     """The memory line's max over ranks, reduced in the background while the loss is
     averaged over the data ranks, as the loop does. Each rank pretends to hold its rank
     number of GiB (and ten more at peak), so every rank must see the last rank's figures."""
-    real = engine.memory.rank_memory
-    engine.memory.rank_memory = lambda device: (float(dist.get_rank()), 10.0 + dist.get_rank())
+    real = engine.metrics.memory.rank_memory
+    engine.metrics.memory.rank_memory = lambda device: (float(dist.get_rank()), 10.0 + dist.get_rank())
     try:
-        memory = engine.memory.LargestOverRanks(torch.device("cpu"))
+        memory = engine.metrics.memory.LargestOverRanks(torch.device("cpu"))
         memory.start()
         loss = global_mean(torch.tensor(float(dims.data_rank)), dims.data.get_group())
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, {"memory": list(memory.result()), "loss": loss})
     finally:
-        engine.memory.rank_memory = real
+        engine.metrics.memory.rank_memory = real
     return {"seen": seen, "expected_memory": [dist.get_world_size() - 1.0, 10.0 + dist.get_world_size() - 1],
             "expected_loss": (dims.data_size - 1) / 2}
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from engine.checkpoint_store import COMPLETE, META, step_name
+from engine.checkpoint.store import COMPLETE, META, step_name
 from engine.config import load_config
-from engine.data import CorpusSource, local_batch
+from engine.data.sources import CorpusSource, local_batch
 from engine.train import loss_fn
 from models import build_on_meta
 from tests.distributed import REPO, cpu_env, launcher, torchrun

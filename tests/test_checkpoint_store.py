@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import checkpoint_store as store
+from engine.checkpoint.dcp import store
 from engine.config import CheckpointConfig
 from engine.errors import UserError
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.data import CorpusSource, SyntheticSource, local_batch
+from engine.data.sources import CorpusSource, SyntheticSource, local_batch
 from launch.run import REPO
 
 

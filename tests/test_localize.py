@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
-from engine import trajectory
-from engine.compare import tolerance_for
+from engine.parity import trajectory
+from engine.parity.compare import tolerance_for
 from engine.config import load_config
-from engine.data import CorpusSource, local_batch
+from engine.data.sources import CorpusSource, local_batch
 from engine.errors import UserError
-from engine.localize import RankPiece, expected_pieces, localize
-from engine.reference import Reference
+from engine.parity.localize import RankPiece, expected_pieces, localize
+from engine.parity.reference import Reference
 from launch.build import single_device_model
 from tests.distributed import REPO
 

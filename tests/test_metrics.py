@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from engine.config import load_config
 from engine.errors import UserError
-from engine.throughput import flops_per_token, peak_flops_for
+from engine.metrics.throughput import flops_per_token, peak_flops_for
 from launch.run import DEFAULT_CONFIG
 from models import build_on_meta
 from tests.distributed import launcher

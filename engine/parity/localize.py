@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from engine.compare import Tolerance, full, max_abs_diff
+from engine.parity.compare import Tolerance, full, max_abs_diff
 from engine.train import forward_backward
 
 KINDS = ("output", "input gradient")

@@ -3,9 +3,9 @@
 A checkpoint holds the sharded model and optimizer (as DTensors keyed by
 parameter name, so any mesh can load them), the LR scheduler, the step and each
 rank's RNG states. The data position is the step itself: sample i of step s is
-a pure function of (seed, s, i) (engine/data.py), so it carries over to any
+a pure function of (seed, s, i) (engine/data/sources.py), so it carries over to any
 data-parallel size unchanged. On-disk layout and the all-or-nothing rules live
-in engine/checkpoint_store.py.
+in engine/checkpoint/store.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from engine import checkpoint_store as store
+from engine.checkpoint import store
 from engine.config import to_dict
 from engine.errors import UserError
-from engine.export import export_full, import_full
+from engine.checkpoint.export import export_full, import_full
 
 
 def _rng_state() -> tuple[bytes, bytes]:

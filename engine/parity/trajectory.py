@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compare import Tolerance, check_row, relative_diff
+from engine.parity.compare import Tolerance, check_row, relative_diff
 from engine.errors import UserError
 
 FORMAT = "meshtrain-parity-trajectory/1"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 
-from engine.checkpoint_store import check_keys, state_dict_shapes
+from engine.checkpoint.store import check_keys, state_dict_shapes
 from engine.errors import UserError
 
 

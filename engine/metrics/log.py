@@ -27,7 +27,7 @@ class RunShape:
     world_size: int
     flops_per_token: float
     device_name: str
-    peak_flops: float | None  # per device; None when the device is not in engine/throughput.py
+    peak_flops: float | None  # per device; None when the device is not in engine/metrics/throughput.py
 
 
 def step_record(step: int, result, seconds: float, shape: RunShape,
