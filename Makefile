@@ -17,7 +17,8 @@ COMPAT_ROOT ?= $(HOME)/.cache/meshtrain
 COMPAT_VENV := $(COMPAT_ROOT)/$(subst ==,-,$(subst $() ,,$(TORCH_SPEC)))
 # The project's own requirements from setup.cfg, without torch (TORCH_SPEC gives it).
 REQUIREMENTS = $(shell $(PYTHON) -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); \
-	print(' '.join(r for r in (c['options']['install_requires'] + c['options.extras_require']['test']).split() \
+	print(' '.join(r for r in (c['options']['install_requires'] + c['options.extras_require']['test'] \
+	+ c['options.extras_require']['data']).split() \
 	if not r.startswith('torch')))")
 
 .PHONY: run test test-docs env clean compat-env test-compat
@@ -25,7 +26,7 @@ REQUIREMENTS = $(shell $(PYTHON) -c "import configparser; c = configparser.Confi
 $(VENV)/.ready: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test,data]"
 	touch $@
 
 env: $(VENV)/.ready

@@ -66,8 +66,17 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "corpus"  # corpus or synthetic
-    path: str = "data/corpus.txt"
+    source: str = "corpus"  # corpus (a text read as bytes), tokens (launch/prepare.py output) or synthetic
+    path: str = "data/corpus.txt"  # the text, or for tokens one or more prepared folders, comma-separated
+    weights: str = ""  # tokens: mixture weights, one per folder in path, comma-separated (default equal)
+    holdout: float = 0.0  # the fraction of the data kept out of training for evaluation
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate every N steps and after the last; 0 never
+    steps: int = 2  # global batches per evaluation
+    path: str = ""  # held-out data of the same kind as data.path; empty: data.holdout's part
 
 
 @dataclass
@@ -99,6 +108,8 @@ class CheckpointConfig:
     resume_from: str = ""  # a checkpoint folder or run folder to resume from, instead of run.dir
     init_from: str = ""  # a single-file full state dict (an export) whose weights start the run
     export: str = ""  # write the final weights to this single file (torch.save of full tensors)
+    hf_import: str = ""  # a Hugging Face Llama folder: its config.json sets the model, its weights start the run
+    hf_export: str = ""  # write the final weights and config.json to this folder in Hugging Face format
 
 
 @dataclass
@@ -121,6 +132,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
@@ -131,7 +143,7 @@ class Config:
 _CHOICES = {
     ("parallel", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
-    ("data", "source"): ("corpus", "synthetic"),
+    ("data", "source"): ("corpus", "tokens", "synthetic"),
     ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),
     ("parallel", "param_dtype"): ("float32", "bfloat16"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
@@ -141,9 +153,9 @@ _CHOICES = {
 }
 _POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
              ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches"),
-             ("parity", "steps")}
+             ("parity", "steps"), ("eval", "steps")}
 _NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead"),
-                 ("checkpoint", "every"), ("checkpoint", "keep"), ("parity", "layers")}
+                 ("checkpoint", "every"), ("checkpoint", "keep"), ("parity", "layers"), ("eval", "every")}
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:
@@ -152,9 +164,17 @@ def _fields(cls) -> dict[str, tuple[type, object]]:
 
 
 def _coerce(path: str, value, kind):
-    """Check `value` against the annotated type; ints are accepted as floats."""
+    """Check `value` against the annotated type; ints are accepted as floats, "1e-3" (which
+    YAML reads as text) as a float, and numbers as text where text is expected."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
     if kind in (int, float) and isinstance(value, bool):
         ok = False
     elif isinstance(kind, types.UnionType):

@@ -10,6 +10,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,8 @@ class StepResult:
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
     skipped: bool = False  # the loss was NaN or inf, so the parameters were not updated
+    val_loss: float | None = None  # set on evaluation steps (eval.every)
+    eval_s: float = 0.0
 
 
 def forward_backward(model, inputs, targets, micro_batches: int = 1) -> torch.Tensor:
@@ -134,14 +137,47 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     return result
 
 
+# The data-parallel view of a single process: rank 0 of 1, no group (see parallel/mesh.py).
+ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, data=SimpleNamespace(get_group=lambda: None))
+
+
+@torch.no_grad()
+def evaluate(model, source, cfg, dims, device) -> float:
+    """The mean loss over eval.steps global batches of `source`. Every evaluation reads the
+    same batches (batch k of the held-out data), so successive values are comparable."""
+    t = cfg.training
+    total = 0.0
+    for batch in range(cfg.eval.steps):
+        inputs, targets = local_batch(source, batch, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+        local = torch.zeros((), device=device)
+        for x, y in zip(inputs.to(device).chunk(t.micro_batches), targets.to(device).chunk(t.micro_batches)):
+            logits = model(x)
+            sharded = isinstance(logits, DTensor)
+            with loss_parallel() if sharded else nullcontext():
+                loss = loss_fn(logits, y) / t.micro_batches
+            local += loss.full_tensor() if sharded else loss
+        total += global_mean(local, dims.data.get_group())
+    return total / cfg.eval.steps
+
+
+def evaluates_after(step: int, cfg) -> bool:
+    every = cfg.eval.every
+    return every > 0 and ((step + 1) % every == 0 or step == cfg.training.steps - 1)
+
+
 def logged_step(model, optimizer, scheduler, source, step: int, cfg, dims, device, log: StepLog,
-                shape: RunShape, unshard=None) -> StepResult:
+                shape: RunShape, unshard=None, eval_source=None) -> StepResult:
     """run_step, then its metrics. Memory is read after backward, where activations and
-    gradients coexist, and reduced over ranks in the background (every rank calls this)."""
+    gradients coexist, and reduced over ranks in the background (every rank calls this).
+    An evaluation after the step is timed apart, so it does not lower the step's tok/s."""
     started = time.perf_counter()
     memory = LargestOverRanks(device)
     result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard, memory.start)
-    log.step(step, result, time.perf_counter() - started, shape, memory.result())
+    seconds = time.perf_counter() - started
+    if eval_source is not None and evaluates_after(step, cfg):
+        result.val_loss = evaluate(model, eval_source, cfg, dims, device)
+        result.eval_s = time.perf_counter() - started - seconds
+    log.step(step, result, seconds, shape, memory.result())
     return result
 
 
@@ -153,15 +189,17 @@ def run_shape(model, cfg, device) -> RunShape:
 
 
 def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
-          checkpoint=None) -> list[StepResult]:
-    """`checkpoint` (an engine.checkpoint.Checkpointer) restores state and saves it."""
+          checkpoint=None, eval_source=None) -> list[StepResult]:
+    """`checkpoint` (an engine.checkpoint.Checkpointer) restores state and saves it;
+    `eval_source`, when given, is evaluated every eval.every steps and after the last."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
     shape = run_shape(model, cfg, device)
     log.describe(shape)
     results = []
     for step in range(start, cfg.training.steps):
-        result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard)
+        result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard,
+                             eval_source)
         results.append(result)
         if result.skipped and not cfg.metrics.skip_nonfinite:
             log.close()

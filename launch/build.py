@@ -39,9 +39,10 @@ def start_process_group(cfg, spec):
     return build_mesh(spec, device_type), device
 
 
-def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None):
+def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_weights: bool = True):
     """The model built on meta, parallelized by its plan, then given its initial values
-    from the seed. Returns (model, AppliedPlan)."""
+    from the seed, or with checkpoint.hf_import from that checkpoint (unless
+    `import_weights` is false: a resumed run loads its own). Returns (model, AppliedPlan)."""
     from models import build_on_meta
     from models.materialise import materialise
     from parallel.apply import apply_plan
@@ -50,14 +51,20 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None):
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
     applied = apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, prefetch)
     materialise(model, device, cfg.training.seed)
+    if cfg.checkpoint.hf_import and import_weights:
+        from engine.checkpoint.hf import load_hf
+        load_hf(model, cfg.checkpoint.hf_import)  # a collective: each rank reads its own slices
     return model, applied
 
 
 def single_device_model(cfg, device, n_layers: int = 0, dtype=None):
-    """The same model, whole, on one device, with the same initial values."""
+    """The same model, whole, on one device, with the same initial values (or imported weights)."""
     from models import build_on_meta
     from models.materialise import materialise
 
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
     materialise(model, device, cfg.training.seed)
+    if cfg.checkpoint.hf_import:
+        from engine.checkpoint.hf import load_hf
+        load_hf(model, cfg.checkpoint.hf_import)  # a plain model: no collective
     return model if dtype is None else model.to(dtype)

@@ -25,10 +25,11 @@ from engine.parity import trajectory
 from engine.parity.compare import (check_row, count_replicated, digest, full, max_abs_diff, relative_diff,
                             replication_mismatches, tolerance_for)
 from engine.data.sources import build_source, local_batch
+from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
 from engine.parity.report import format_report
 from engine.parity.reference import Reference
-from engine.train import build_optimizer, train_step
+from engine.train import build_optimizer, evaluate, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 
 WORST = 10
@@ -81,7 +82,7 @@ class ParityRun:
     def run(self) -> int:
         cfg, pc = self.cfg, self.cfg.parity
         model, applied = sharded_model(cfg, self.dims, self.device, pc.layers)
-        self.source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
+        self.source = build_source(cfg, vocab_size(model))
         reference = build_reference(cfg, self.device) if self.rank0 and pc.reference else None
         self.describe(model, reference)
         self.compare_weights(model, reference, "initial weights (bitwise)", initial=True)
@@ -106,6 +107,8 @@ class ParityRun:
         self.report["steps_table"] = rows
         self.check_steps(rows)
         self.compare_weights(model, reference, f"weights after {pc.steps} steps", lrs=lrs)
+        if cfg.eval.every:
+            self.check_evaluation(model, reference)
         self.check_golden(rows)
         passed = self.verdict()
         del model, optimizer, reference
@@ -123,7 +126,7 @@ class ParityRun:
             "device": f"{self.device.type}/{pick_device(cfg)[1]}",
             "reference": str(reference_device(reference)) if reference is not None else "none",
             "model": f"{cfg.model.name}/{cfg.model.flavor}", "plan": cfg.parallel.plan,
-            "layers": getattr(model.args, "n_layers", None),
+            "layers": getattr(getattr(model, "args", None), "n_layers", None),
             "dtype": cfg.parallel.param_dtype, "optimizer": cfg.optim.name, "steps": cfg.parity.steps,
             "micro_batches": cfg.training.micro_batches,
             "settings": {k: v for k, v in vars(cfg.parallel).items() if k not in ("device", "backend")},
@@ -177,6 +180,18 @@ class ParityRun:
         limit = 0.0 if initial else self.tolerance.params_limit(list(lrs), self.largest_grad)
         self.report["initial_max_diff" if initial else "weights_max_diff"] = worst[0]
         self.checks.append(check_row(what, worst[0], limit, worst[1]))
+
+    def check_evaluation(self, model, reference) -> None:
+        """The held-out loss after the last step (eval.every > 0), on the mesh and on one device."""
+        cfg = self.cfg
+        source = build_source(cfg, vocab_size(model), split="eval")
+        self.report["val_loss"] = evaluate(model, source, cfg, self.dims, self.device)
+        if reference is None:
+            return
+        self.report["reference_val_loss"] = reference.evaluate(source, cfg, reference_device(reference))
+        self.checks.append(check_row(f"validation loss after {cfg.parity.steps} steps",
+                                     abs(self.report["val_loss"] - self.report["reference_val_loss"]),
+                                     self.tolerance.loss_at(cfg.parity.steps)))
 
     def check_replicated(self, what: str, named, mismatches: dict[str, float]) -> None:
         if self.tp_group is None:

@@ -82,7 +82,7 @@ def check(args: argparse.Namespace, world_size: int | None):
     import parallel  # noqa: F401  (registers the built-in plans)
     from engine.plugins import load_plugins
     from models import build_on_meta
-    from models.contract import check_model_contract
+    from models.contract import check_model_contract, max_seq_len, vocab_size
     from parallel.apply import tensor_parallel_styles
     from parallel.fsdp_internals import check_supported
     from parallel.plan import get_plan
@@ -91,8 +91,23 @@ def check(args: argparse.Namespace, world_size: int | None):
     load_plugins(cfg.model.plugin)
     plan = get_plan(cfg.parallel.plan)
     pick_device(cfg)
+    hf_import = cfg.checkpoint.hf_import
+    if hf_import:
+        from engine.checkpoint.hf import register_hf_flavor
+        if cfg.checkpoint.init_from:
+            raise UserError(f"checkpoint.hf_import and checkpoint.init_from both give the starting "
+                            f"weights ({hf_import!r}, {cfg.checkpoint.init_from!r}). Keep one.")
+        cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)  # its config.json's shapes
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
+    from engine.data.sources import check_data
+    check_data(cfg, vocab_size(model))  # paths, prepared folders, vocabularies: index.json only
+    if hf_import:
+        from engine.checkpoint.hf import check_hf_checkpoint
+        check_hf_checkpoint(model, hf_import)  # the safetensors headers, no tensor data
+    if cfg.checkpoint.hf_export:
+        from engine.checkpoint.hf import check_hf_export
+        check_hf_export(model, cfg.checkpoint.hf_export)
     if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
                       cfg.parallel.sequence_parallel)
@@ -111,9 +126,10 @@ def check(args: argparse.Namespace, world_size: int | None):
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not split into "
                         f"training.micro_batches={micro} equal micro-batches on each of {data_size} "
                         f"data-parallel ranks. Use a global batch that is a multiple of {data_size * micro}.")
-    if cfg.training.seq_len > model.args.max_seq_len:
+    longest = max_seq_len(model)
+    if longest is not None and cfg.training.seq_len > longest:
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
-                        f"{model.args.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}).")
+                        f"{longest} ({cfg.model.name}/{cfg.model.flavor}).")
     if args.parity:
         check_parity(cfg)
     else:
@@ -161,6 +177,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
 
     from engine.checkpoint.dcp import Checkpointer
     from engine.data.sources import build_source
+    from models.contract import vocab_size
     from engine.metrics.log import StepLog
     from engine.train import train
     from parallel.plan import get_plan
@@ -178,15 +195,23 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
 
     if cfg.parallel.reshard_after_forward == "auto":
         log.print(describe_auto(spec))
-    model, applied = sharded_model(cfg, dims, device, prefetch=cfg.prefetch)
+    model, applied = sharded_model(cfg, dims, device, prefetch=cfg.prefetch, import_weights=resume_from is None)
+    if cfg.checkpoint.hf_import and resume_from is None:
+        log.print(f"weights from Hugging Face checkpoint {cfg.checkpoint.hf_import} (optimizer, schedule "
+                  f"and data start fresh at step 0)")
     log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     if show_plan:
         from parallel.explain import explain
         log.print(explain(model, applied))
-    source = build_source(cfg.data, cfg.training.seed, model.args.vocab_size)
+    source = build_source(cfg, vocab_size(model))
+    eval_source = build_source(cfg, vocab_size(model), split="eval") if cfg.eval.every else None
     ahead = cfg.prefetch.unshard_ahead
     unshard = functools.partial(unshard_ahead, model, prefetch_order(model, plan), ahead) if ahead else None
-    train(model, cfg, source, dims, device, log, unshard, Checkpointer(cfg, dims, log, resume_from))
+    train(model, cfg, source, dims, device, log, unshard, Checkpointer(cfg, dims, log, resume_from), eval_source)
+    if cfg.checkpoint.hf_export:
+        from engine.checkpoint.hf import save_hf
+        save_hf(model, cfg.checkpoint.hf_export, carried_from=cfg.checkpoint.hf_import or None)
+        log.print(f"exported Hugging Face checkpoint -> {cfg.checkpoint.hf_export}")
     dist.destroy_process_group()
 
 

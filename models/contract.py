@@ -1,6 +1,11 @@
 """What the engine needs from a model, checked on the meta-device model before any
 process group starts, so a model added through the plan API fails with the member
-it lacks instead of a traceback mid-run. docs/plans.md lists the same table."""
+it lacks instead of a traceback mid-run. docs/plans.md lists the same table.
+
+Nothing engine-specific is strictly required: a plain nn.Module whose layers have
+`reset_parameters()` (every torch layer does) and whose vocabulary is readable from
+its first nn.Embedding trains as it is. The engine-specific members take over when
+present."""
 
 from __future__ import annotations
 
@@ -10,22 +15,27 @@ from engine.errors import UserError
 
 DOCS = "docs/plans.md, section \"The model contract\""
 
-# (member, how it is called, why the engine needs it)
-REQUIRED = (
-    ("args.vocab_size", "int", "the data and the launcher's checks read it"),
-    ("args.max_seq_len", "int", "training.seq_len is checked against it"),
-    ("init_value", "init_value(fqn, shape, generator) -> Tensor",
-     "each parameter's full initial value, from which every rank slices its part"),
-    ("reset_buffers", "reset_buffers()", "refills non-parameter buffers after materialising"),
-)
-OPTIONAL = (
-    ("tie_weights", "tie_weights()", "required when parameters are shared: re-shares them after "
-     "tensor parallel and materialising replace them"),
-    ("flops_per_token", "flops_per_token(seq_len) -> float",
+# (member, how it is called, when it is required, what the engine does with it)
+MEMBERS = (
+    ("init_value", "init_value(fqn, shape, generator) -> Tensor", "optional",
+     "each parameter's full initial value, from which every rank slices its part. Without it, "
+     "every module that holds parameters of its own is re-initialised by its reset_parameters()"),
+    ("reset_parameters", "module.reset_parameters()", "on every module holding parameters, without init_value",
+     "run alone on the CPU for each such module, under a generator seeded by the run seed and the "
+     "module's path, then sliced; it must set the module's own parameters"),
+    ("reset_buffers", "reset_buffers()", "if the model has buffers",
+     "refills non-parameter buffers (RoPE tables, say), which materialising leaves empty"),
+    ("tie_weights", "tie_weights()", "if parameters are shared",
+     "re-shares them after tensor parallel and materialising replace them"),
+    ("args.vocab_size", "int", "if the model has no nn.Embedding",
+     "the data's vocabulary is checked against it; without it, the first nn.Embedding's "
+     "num_embeddings is the vocabulary"),
+    ("args.max_seq_len", "int", "optional", "training.seq_len is checked against it"),
+    ("flops_per_token", "flops_per_token(seq_len) -> float", "optional",
      "training FLOPs per token for the FLOP/s and MFU figures; without it the engine estimates "
      "6 x matmul parameters + 12 x n_layers x dim x seq_len (engine/metrics/throughput.py)"),
-    ("args.n_layers", "int", "parity.layers (a reduced depth) and the FLOPs estimate use it"),
-    ("args.dim", "int", "the FLOPs estimate's attention term uses it"),
+    ("args.n_layers", "int", "optional", "parity.layers (a reduced depth) and the FLOPs estimate use it"),
+    ("args.dim", "int", "optional", "the FLOPs estimate's attention term uses it"),
 )
 
 
@@ -38,6 +48,23 @@ def _lookup(model: nn.Module, dotted: str):
     return value
 
 
+def vocab_size(model: nn.Module) -> int:
+    """The model's vocabulary: args.vocab_size, else its first embedding's row count."""
+    declared = _lookup(model, "args.vocab_size")
+    if isinstance(declared, int):
+        return declared
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    raise UserError(f"{type(model).__name__} has neither args.vocab_size nor an nn.Embedding, so its "
+                    f"vocabulary is unknown. Give it an `args` with vocab_size; see {DOCS}.")
+
+
+def max_seq_len(model: nn.Module) -> int | None:
+    declared = _lookup(model, "args.max_seq_len")
+    return declared if isinstance(declared, int) else None
+
+
 def shared_parameters(model: nn.Module) -> list[str]:
     """Names under which an already-seen parameter appears again."""
     seen, repeats = set(), []
@@ -48,16 +75,29 @@ def shared_parameters(model: nn.Module) -> list[str]:
     return repeats
 
 
+def modules_without_reset(model: nn.Module) -> list[str]:
+    """Paths of modules holding parameters of their own but no reset_parameters()."""
+    return [path or "(the model itself)" for path, module in model.named_modules()
+            if any(True for _ in module.parameters(recurse=False))
+            and not callable(getattr(module, "reset_parameters", None))]
+
+
 def check_model_contract(model: nn.Module, name: str) -> None:
     what = f"model {name!r} ({type(model).__name__})"
-    for member, signature, why in REQUIRED:
-        value = _lookup(model, member)
-        wanted_int = signature == "int"
-        if value is None or (wanted_int and not isinstance(value, int)) or (not wanted_int and not callable(value)):
-            raise UserError(f"{what} lacks {member} ({signature}), which the engine needs: {why}. "
-                            f"Add it to the model; see {DOCS}.")
+    if not callable(getattr(model, "init_value", None)):
+        lacking = modules_without_reset(model)
+        if lacking:
+            raise UserError(f"{what} has no init_value, and module {', '.join(map(repr, lacking[:3]))} holds "
+                            f"parameters but has no reset_parameters(), so the engine cannot give it initial "
+                            f"values. Add reset_parameters() to that module, or init_value to the model; "
+                            f"see {DOCS}.")
+    buffers = [n for n, _ in model.named_buffers()]
+    if buffers and not callable(getattr(model, "reset_buffers", None)):
+        raise UserError(f"{what} has buffers ({', '.join(buffers[:3])}) but no reset_buffers(), so they would "
+                        f"stay empty after materialising. Add a reset_buffers() that refills them; see {DOCS}.")
     repeats = shared_parameters(model)
     if repeats and not callable(getattr(model, "tie_weights", None)):
         raise UserError(f"{what} shares parameters ({', '.join(repeats[:3])}) but has no tie_weights(), "
                         f"so tensor parallel and materialising would silently untie them. Add a "
                         f"tie_weights() that re-shares them; see {DOCS}.")
+    vocab_size(model)

@@ -27,13 +27,18 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Llama 3.1/3.2 rope scaling ("rope_type": "llama3" in Hugging Face configs):
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
 
-# Public Llama 3 shapes (rope scaling of the 3.1/3.2 releases is not modelled).
+# Public Llama 3 shapes. The 3.1/3.2 releases also scale rope (LlamaArgs.rope_scaling);
+# these flavors leave it off, while a Hugging Face import (checkpoint.hf_import) takes it
+# from the checkpoint's config.json.
 FLAVORS = {
     "debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
                        vocab_size=256, max_seq_len=512),
@@ -48,9 +53,33 @@ FLAVORS = {
 }
 
 
-def rope_tables(args: LlamaArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:
+    """The inverse frequency of each rotated pair: the same values, bit for bit, as
+    Hugging Face's LlamaRotaryEmbedding.inv_freq (default and "llama3" rope types)."""
     half = args.head_dim // 2
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+    if args.rope_scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, *args.rope_scaling)
+    return inv_freq
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_position: int) -> torch.Tensor:
+    """Llama 3.1 rope scaling, in the same operations and order as transformers'
+    _compute_llama3_parameters: long wavelengths are divided by `factor`, short ones kept,
+    and those between are interpolated."""
+    low_freq_wavelen = original_max_position / low_freq_factor
+    high_freq_wavelen = original_max_position / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(args: LlamaArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_frequencies(args, device)
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 

@@ -28,6 +28,7 @@ FACTORS: dict[str, tuple] = {
     "prefetch_forward": (0, 1, 2),
     "prefetch_backward": (0, 1, 2),
     "optimizer": ("adamw", "sgd"),
+    "evaluation": (False, True),
 }
 
 # Sizes per mesh kind, at 4 ranks where the kind allows. An integer reshard needs a
@@ -100,7 +101,8 @@ def overrides(row: dict) -> tuple[str, ...]:
     return (*(f"parallel.{key}={lower.get(row[key], row[key])}" for key in parallel),
             f"training.micro_batches={row['micro_batches']}",
             f"prefetch.forward={row['prefetch_forward']}", f"prefetch.backward={row['prefetch_backward']}",
-            f"optim.name={row['optimizer']}", f"parity.layers={LAYERS}")
+            f"optim.name={row['optimizer']}", f"parity.layers={LAYERS}",
+            *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()))
 
 
 ROWS = generate()

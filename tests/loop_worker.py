@@ -14,7 +14,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -28,7 +27,7 @@ from engine.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
 from engine.data.sources import CorpusSource, local_batch  # noqa: E402
 from engine.grad_norm import clip_grad_norm, grad_norm  # noqa: E402
 from engine.parity.compare import digest, full, max_abs_diff  # noqa: E402
-from engine.train import build_optimizer, forward_backward, global_mean, run_step  # noqa: E402
+from engine.train import ONE_DEVICE, build_optimizer, forward_backward, global_mean, run_step  # noqa: E402
 from models import build_on_meta  # noqa: E402
 from models.materialise import materialise  # noqa: E402
 from parallel.apply import apply_plan  # noqa: E402
@@ -40,7 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 SEED = 1234
 FLAVOR = "debug"
 # The data view of a one-rank run, for driving the reference through run_step.
-SINGLE_PROCESS = SimpleNamespace(data_rank=0, data_size=1, data=SimpleNamespace(get_group=lambda: None))
 
 class Recorder:
     """Logs, in issue order, which FSDP unit each all-gather is for, each gradient
@@ -211,7 +209,7 @@ def check_accumulation(dims, cfg, source, reference) -> dict:
     for step in range(3):
         report["losses"].append(run_step(model, optimizer, scheduler, source, step, accumulated, dims, "cpu").loss)
         report["ref_losses"].append(run_step(reference, ref_optimizer, ref_scheduler, source, step, cfg,
-                                             SINGLE_PROCESS, "cpu").loss)
+                                             ONE_DEVICE, "cpu").loss)
     return report
 
 

@@ -18,6 +18,14 @@ def test_overrides_are_typed():
     assert cfg.data.source == "synthetic"
 
 
+def test_yaml_text_that_is_a_number_where_one_is_expected():
+    """YAML 1.1 reads 1e-3 (no dot) as text; a float key takes it, a text key takes 3."""
+    cfg = load_config(DEFAULT_CONFIG, ["optim.lr=1e-3", "data.weights=3", "optim.eps=1.0e-6"])
+    assert cfg.optim.lr == 1e-3 and cfg.data.weights == "3" and cfg.optim.eps == 1e-6
+    with pytest.raises(UserError, match="optim.lr must be of type float, but got 'fast'"):
+        load_config(DEFAULT_CONFIG, ["optim.lr=fast"])
+
+
 @pytest.mark.parametrize("override,fragment", [
     ("training.step=3", "unknown config key 'training.step'. Accepted keys in section 'training': steps,"),
     ("trainig.steps=3", "unknown config key 'trainig.steps'. Keys are section.key, with sections model,"),

@@ -7,6 +7,7 @@ The JSON lines are flushed every step, so a crash loses at most the step in flig
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +42,13 @@ def step_record(step: int, result, seconds: float, shape: RunShape,
               "memory_gib": memory[0], "peak_memory_gib": memory[1], "skipped": result.skipped}
     if shape.peak_flops:
         record["mfu"] = flops_per_rank / shape.peak_flops
+    if result.val_loss is not None:
+        record.update(val_loss=result.val_loss, val_ppl=perplexity(result.val_loss), eval_s=result.eval_s)
     return record
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
 
 
 def _flops_text(record: dict) -> str:
@@ -98,16 +105,19 @@ class StepLog:
             for key, value in record.items():
                 if key != "step":
                     self.writer.add_scalar(key, value, step)
-        if step % self.every == 0 or step == self.total_steps - 1:
+        if step % self.every == 0 or step == self.total_steps - 1 or result.val_loss is not None:
             width = len(str(self.total_steps))
-            skipped = " | SKIPPED (non-finite loss)" if result.skipped else ""
+            notes = " | SKIPPED (non-finite loss)" if result.skipped else ""
+            if result.val_loss is not None:
+                notes += (f" | val loss {result.val_loss:.4f} ppl {record['val_ppl']:,.2f} "
+                            f"({result.eval_s:.1f}s)")
             self.print(f"step {step + 1:>{width}}/{self.total_steps} | loss {result.loss:.4f} | "
                        f"grad norm {result.grad_norm:.3f} | lr {result.lr:.2e} | "
                        f"{record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_rank']:,.0f}/rank) | "
                        f"{_flops_text(record)} | data {result.data_s:.3f}s fwd+bwd "
                        f"{result.forward_backward_s:.3f}s optim {result.optimizer_s:.3f}s | "
                        f"mem {memory[0]:.2f}/{memory[1]:.2f} GiB max rank | "
-                       f"elapsed {_clock(elapsed)} | eta {_clock(remaining)}{skipped}")
+                       f"elapsed {_clock(elapsed)} | eta {_clock(remaining)}{notes}")
 
     def summary(self, results, tokens: int) -> None:
         if not self.enabled or not results:

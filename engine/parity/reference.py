@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.grad_norm import clip_grad_norm
-from engine.train import build_optimizer, forward_backward
+from engine.train import ONE_DEVICE, build_optimizer, evaluate, forward_backward
 
 
 class Reference:
@@ -18,12 +18,21 @@ class Reference:
         self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
         self.max_norm = cfg.optim.max_norm
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        if self.compute is self.model:
-            return forward_backward(self.model, inputs, targets).item()
+    def _refresh_compute(self) -> None:
         with torch.no_grad():
             for master, low in zip(self.model.parameters(), self.compute.parameters()):
                 low.copy_(master)
+
+    def evaluate(self, source, cfg, device) -> float:
+        """The held-out loss over the whole global batches, as engine.train.evaluate."""
+        if self.compute is not self.model:
+            self._refresh_compute()
+        return evaluate(self.compute, source, cfg, ONE_DEVICE, device)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if self.compute is self.model:
+            return forward_backward(self.model, inputs, targets).item()
+        self._refresh_compute()
         loss = forward_backward(self.compute, inputs, targets)
         for master, low in zip(self.model.parameters(), self.compute.parameters()):
             master.grad = low.grad.float()  # FSDP reduces and keeps gradients in fp32 too

@@ -9,7 +9,6 @@ dtype); the layout is not among them, since proving layouts equal is the point.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -23,9 +22,8 @@ HEAD = 8  # gradient values kept per parameter
 
 
 def fingerprint(cfg) -> dict:
-    data = cfg.data.source
-    if data == "corpus":
-        data += ":" + hashlib.sha256(Path(cfg.data.path).read_bytes()).hexdigest()[:16]
+    from engine.data.sources import data_fingerprint
+    data = data_fingerprint(cfg)
     return {
         "model": f"{cfg.model.name}/{cfg.model.flavor}", "layers": cfg.parity.layers, "data": data,
         "seed": cfg.training.seed, "global_batch": cfg.training.global_batch,

@@ -1,0 +1,314 @@
+"""Hugging Face Llama checkpoints (config.json + safetensors) in and out.
+
+    checkpoint.hf_import=FOLDER   config.json sets the model's shape (a flavor named
+                                  "hf:FOLDER"), its weights start the run
+    checkpoint.hf_export=FOLDER   the final weights and config.json, in the layout
+                                  LlamaForCausalLM.from_pretrained reads
+
+The launcher checks an import before any process group exists: config.json, then the
+safetensors headers (names, shapes, dtypes; no tensor data) against the model. Loading
+goes through torch.distributed.checkpoint's HuggingFaceStorageReader into the sharded
+parameters, so each rank reads only the slices it keeps (safetensors get_slice on a
+memory map), never a whole file. The export gathers the full weights on rank 0 (like
+checkpoint.export), which writes them into FOLDER.partial and renames it into place.
+Name and config mapping: models/llama_hf.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.store import check_keys, state_dict_shapes
+from engine.errors import UserError
+from models.llama import Llama
+from models.llama_hf import args_from_hf_config, hf_config_from_args, hf_name, our_name
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SUFFIX = ".safetensors"
+FLAVOR_PREFIX = "hf:"
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers' own default shard size, "5GB"
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_HEADER_LIMIT = 100 * 2**20
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"checkpoint.hf_import {str(folder)!r} is not a folder. Give a Hugging Face "
+                        f"model folder (config.json and model.safetensors), e.g. one written by "
+                        f"save_pretrained or checkpoint.hf_export.")
+    path = folder / CONFIG
+    if not path.is_file():
+        raise UserError(f"checkpoint.hf_import {str(folder)!r} has no {CONFIG}. Give a Hugging Face "
+                        f"model folder (config.json and model.safetensors).")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{str(path)!r} cannot be read as JSON ({err}).") from None
+
+
+def _require_llama(model_name: str, key: str) -> None:
+    from models import MODELS, model_args
+    if model_name not in MODELS:
+        model_args(model_name, "")  # the registry's own "unknown model" error
+    model_class = MODELS[model_name][0]
+    if not (isinstance(model_class, type) and issubclass(model_class, Llama)):
+        raise UserError(f"{key} reads and writes Llama checkpoints, but model.name={model_name!r} is "
+                        f"a {getattr(model_class, '__name__', model_class)}. Use model.name=llama.")
+
+
+def register_hf_flavor(model_name: str, folder: str | Path) -> str:
+    """Read folder/config.json and register its shapes as a flavor of `model_name` (a
+    Llama); returns the flavor's name, "hf:FOLDER"."""
+    from models import MODELS
+    _require_llama(model_name, "checkpoint.hf_import")
+    args = args_from_hf_config(read_hf_config(folder), str(Path(folder) / CONFIG))
+    name = f"{FLAVOR_PREFIX}{folder}"
+    MODELS[model_name][1][name] = args
+    return name
+
+
+def _read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(8)
+            if len(raw) != 8:
+                raise ValueError("shorter than a safetensors header")
+            (size,) = struct.unpack("<Q", raw)
+            if size > _HEADER_LIMIT:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError) as err:
+        raise UserError(f"{str(path)!r} cannot be read as a safetensors file ({err}).") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_index(folder: str | Path) -> dict[str, tuple[Path, list[int], str]]:
+    """{Hugging Face key: (file, shape, safetensors dtype)} from the headers alone: one
+    model.safetensors, or the files model.safetensors.index.json names."""
+    folder = Path(folder)
+    present = sorted(p.name for p in folder.glob("*" + SUFFIX))
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{str(folder / INDEX)!r} cannot be read as a safetensors index "
+                            f"({type(err).__name__}: {err}).") from None
+        where = f"the files {INDEX} names"
+    elif (folder / SINGLE).is_file():
+        weight_map, files, where = None, [SINGLE], SINGLE
+    else:
+        raise UserError(f"checkpoint.hf_import {str(folder)!r} has neither {SINGLE} nor {INDEX} "
+                        f"(found: {', '.join(present) or 'no .safetensors files'}). Only the "
+                        f"safetensors format is read.")
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise UserError(f"{str(folder / INDEX)!r} names files that are not there: {', '.join(missing)}.")
+    stray = sorted(set(present) - set(files))
+    if stray:  # the loader reads every .safetensors file in the folder
+        raise UserError(f"checkpoint.hf_import {str(folder)!r} holds .safetensors files that {where} "
+                        f"does not list: {', '.join(stray)}. Move them out of the folder.")
+    found: dict[str, tuple[Path, list[int], str]] = {}
+    for name in files:
+        for key, entry in _read_header(folder / name).items():
+            if key in found:
+                raise UserError(f"tensor {key!r} is in both {found[key][0].name} and {name} of "
+                                f"{str(folder)!r}. Each tensor must be stored once.")
+            found[key] = (folder / name, list(entry["shape"]), entry["dtype"])
+    if weight_map is not None:
+        misplaced = sorted(k for k, v in weight_map.items() if k not in found or found[k][0].name != v)
+        if misplaced:
+            raise UserError(f"{str(folder / INDEX)!r} does not match the files' contents for: "
+                            f"{', '.join(misplaced[:10])}{' ...' if len(misplaced) > 10 else ''}.")
+    return found
+
+
+def _shown(hf: str) -> str:
+    try:
+        return f"{hf} (ours: {our_name(hf)})"
+    except KeyError:
+        return f"{hf} (no Llama parameter)"
+
+
+def expected_hf_shapes(model) -> dict[str, list[int]]:
+    """The Hugging Face keys and shapes `model` needs (a tied model has no lm_head)."""
+    tied = model.args.tie_embeddings
+    return {hf_name(key): shape for key, shape in state_dict_shapes(model).items()
+            if not (tied and key == "output.weight")}
+
+
+def check_hf_checkpoint(model, folder: str | Path) -> None:
+    """Before any process group: the folder's tensors fit `model` (meta device is fine).
+    Missing, extra and mis-shaped tensors are named with both keys."""
+    found = tensor_index(folder)
+    expected = expected_hf_shapes(model)
+    if model.args.tie_embeddings and found.get("lm_head.weight", (None, None))[1] == expected.get(
+            "model.embed_tokens.weight"):
+        found.pop("lm_head.weight")  # some tied checkpoints keep a copy; transformers ignores it too
+    try:
+        check_keys({_shown(k): v[1] for k, v in found.items()}, {_shown(k): v for k, v in expected.items()},
+                   f"checkpoint.hf_import {str(folder)!r}", f"{type(model).__name__} built from its "
+                   f"{CONFIG}")
+    except UserError as err:
+        text = str(err)
+        cut = text.find(" Use the model and flavor")
+        raise UserError(f"{text[:cut] if cut > 0 else text} Its tensors must match its {CONFIG}: "
+                        f"Hugging Face names, ours in parentheses.") from None
+    odd = sorted(f"{k} ({v[2]})" for k, v in found.items() if k in expected and v[2] not in _FLOAT_DTYPES)
+    if odd:
+        raise UserError(f"checkpoint.hf_import {str(folder)!r} has tensors of a type that cannot be "
+                        f"loaded into {type(model).__name__}'s floating-point weights: {', '.join(odd)}. "
+                        f"Quantized checkpoints are not read; use the {', '.join(_FLOAT_DTYPES)} release.")
+
+
+def check_hf_export(model, folder: str | Path) -> None:
+    """Before any process group: the export can be written without destroying anything
+    but an earlier export (the folder is replaced as a whole)."""
+    if not isinstance(model, Llama):
+        raise UserError(f"checkpoint.hf_export writes Llama checkpoints, but the model is a "
+                        f"{type(model).__name__}. Use model.name=llama, or checkpoint.export.")
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"checkpoint.hf_export {str(folder)!r} is a file. Give a folder.")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / CONFIG).is_file():
+        raise UserError(f"checkpoint.hf_export {str(folder)!r} is a folder with other files in it and "
+                        f"no {CONFIG}; the export replaces the whole folder. Give a new or empty folder, "
+                        f"or an earlier export.")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("Hugging Face checkpoints need the safetensors package: "
+                        "pip install safetensors") from None
+    return safetensors
+
+
+def load_hf(model, folder: str | Path) -> None:
+    """Copy the folder's weights into `model` (materialised; sharded or not). A sharded
+    model is a collective: every rank calls this and reads only its own slices."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    safetensors = _safetensors()
+    folder = Path(folder)
+    state = _model_state(model)
+    targets = {hf_name(key): value for key, value in state.items()
+               if not (model.args.tie_embeddings and key == "output.weight")}
+    if any(isinstance(value, DTensor) for value in targets.values()):
+        _load_distributed(targets, folder)
+        if model.args.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        set_model_state_dict(model, state)
+    else:
+        index = tensor_index(folder)
+        by_file: dict[Path, list[str]] = {}
+        for key in targets:
+            by_file.setdefault(index[key][0], []).append(key)
+        with torch.no_grad():
+            for path, keys in by_file.items():
+                with safetensors.safe_open(str(path), framework="pt") as handle:
+                    for key in keys:
+                        targets[key].copy_(handle.get_tensor(key))
+
+
+def _model_state(model) -> dict:
+    """Our state-dict keys -> tensors that share storage with the parameters (DTensors on a
+    sharded model); wrapper prefixes (compile, activation checkpointing) are removed."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model)
+
+
+def _load_distributed(targets: dict, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
+
+    # DCP's own collectives on a gloo group, as engine/checkpoint/dcp.py does: CPU objects
+    # on any backend.
+    group = dist.new_group(backend="gloo")
+    try:
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=group)
+    except CheckpointException as err:
+        from engine.checkpoint.dcp import _root_cause
+        raise UserError(f"checkpoint.hf_import {str(folder)!r} could not be read "
+                        f"({_root_cause(err)}).") from None
+    finally:
+        dist.destroy_process_group(group)
+
+
+def save_hf(model, folder: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            carried_from: str | Path | None = None) -> None:
+    """Gather the full weights (a collective) and write, on rank 0, a Hugging Face folder:
+    config.json and model.safetensors, or shards and model.safetensors.index.json when the
+    weights exceed `max_shard_bytes`. `carried_from` is an imported folder whose token ids
+    the new config.json keeps."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Gathering FSDP+TP (_StridedShard) parameters logs a performance warning per parameter
+    # on every rank; a gather is what this asks for.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    finally:
+        redistribute_log.setLevel(level)
+    if dist.get_rank() == 0:
+        args = model.args
+        tensors = {hf_name(key): value.contiguous() for key, value in state.items()
+                   if not (args.tie_embeddings and key == "output.weight")}
+        carried = read_hf_config(carried_from) if carried_from else None
+        dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        write_hf_folder(folder, tensors, hf_config_from_args(args, carried, dtype), max_shard_bytes)
+    dist.barrier()
+
+
+def write_hf_folder(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write FOLDER.partial, then move it over FOLDER (an earlier FOLDER is removed)."""
+    safetensors = _safetensors()
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    names = ([SINGLE] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}{SUFFIX}" for i in range(1, len(shards) + 1)])
+    for name, keys in zip(names, shards):
+        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(partial / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {key: name for name, keys in zip(names, shards) for key in keys}}
+        (partial / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(folder, old)
+    os.replace(partial, folder)
+    shutil.rmtree(old, ignore_errors=True)
