@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -17,12 +18,28 @@ import torch
 from engine.config import load_config
 from engine.data.sampling import Mixture, parse_weights, permute, quotas
 from engine.data.sources import TokenSource, build_source, check_data, local_batch
-from engine.data.token_file import FORMAT, VERSION, TokenFile, write_token_folder
+from engine.data.token_file import FORMAT, VERSION, TokenFile, TokenWriter
 from engine.errors import UserError
 from tests.distributed import cpu_env, launcher
 
 SEQ = 8
 BIG_VOCAB = 1 << 20
+
+
+def write_token_folder(out: str | Path, documents: list, vocab_size: int, identity: str = "test",
+                       force: bool = False) -> Path:
+    """A token folder from in-memory documents (lists of ids)."""
+    writer = TokenWriter(out, vocab_size, force)
+    try:
+        for doc in documents:
+            writer.start_document()
+            writer.write(np.asarray(doc))
+        return writer.finish({"tokenizer": {"kind": "ids", "identity": identity, "vocab_size": vocab_size,
+                                            "eos_id": None}, "sources": []})
+    except BaseException:
+        writer.abort()
+        raise
+
 
 
 def counting_folder(path, windows: int, extra: int = 3):

@@ -198,18 +198,3 @@ class TokenWriter:
             if not f.closed:
                 f.close()
         shutil.rmtree(self.partial, ignore_errors=True)
-
-
-def write_token_folder(out: str | Path, documents: list, vocab_size: int, identity: str = "test",
-                       force: bool = False) -> Path:
-    """A token folder from in-memory documents (lists of ids): for tests and small tools."""
-    writer = TokenWriter(out, vocab_size, force)
-    try:
-        for doc in documents:
-            writer.start_document()
-            writer.write(np.asarray(doc))
-        return writer.finish({"tokenizer": {"kind": "ids", "identity": identity, "vocab_size": vocab_size,
-                                            "eos_id": None}, "sources": []})
-    except BaseException:
-        writer.abort()
-        raise
