@@ -126,6 +126,18 @@ class ParityConfig:
 
 
 @dataclass
+class DryRunConfig:
+    # launch/run.py --dry-run (docs/planning.md): the device profile the step time is predicted for
+    device: str = "H100"  # H100, H200, A100, or custom (then give the three numbers below)
+    gpus_per_node: int = 8  # a mesh dimension that spans more ranks than this crosses nodes
+    peak_tflops: float = 0.0  # dense bf16 peak per GPU; 0 takes the profile's
+    intra_node_gbps: float = 0.0  # GB/s per GPU inside a node; 0 takes the profile's
+    inter_node_gbps: float = 0.0  # GB/s per GPU between nodes; 0 takes the profile's
+    compute_efficiency: float = 0.5  # the fraction of peak that the matmuls reach
+    report: str = ""  # also write the report as JSON to this path
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -138,10 +150,12 @@ class Config:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    dryrun: DryRunConfig = field(default_factory=DryRunConfig)
 
 
 _CHOICES = {
     ("parallel", "device"): ("auto", "cpu", "cuda"),
+    ("dryrun", "device"): ("H100", "H200", "A100", "custom"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("data", "source"): ("corpus", "tokens", "synthetic"),
     ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),

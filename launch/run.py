@@ -42,6 +42,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--parity", action="store_true",
                         help="instead of training, run parity.steps steps on the mesh and on one "
                         "device and compare them (docs/parity.md); exit code 0 on PASS, 1 on FAIL")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="instead of training, simulate one step of the layout in this process for "
+                        "--world ranks and report per-rank memory, communication and predicted step time "
+                        "(docs/planning.md); uses no accelerator and no real memory")
+    parser.add_argument("--world", type=int, metavar="N",
+                        help="with --dry-run: the number of ranks to simulate (default: the mesh's size)")
     parser.add_argument("--nproc", type=int, help="processes to start when not under torchrun "
                         "(default: the mesh's size)")
     parser.add_argument("--resume", nargs="?", const="", metavar="FOLDER",
@@ -100,8 +106,9 @@ def check(args: argparse.Namespace, world_size: int | None):
         cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)  # its config.json's shapes
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
-    from engine.data.sources import check_data
-    check_data(cfg, vocab_size(model))  # paths, prepared folders, vocabularies: index.json only
+    if not args.dry_run:  # a dry run reads no data
+        from engine.data.sources import check_data
+        check_data(cfg, vocab_size(model))  # paths, prepared folders, vocabularies: index.json only
     if hf_import:
         from engine.checkpoint.hf import check_hf_checkpoint
         check_hf_checkpoint(model, hf_import)  # the safetensors headers, no tensor data
@@ -132,7 +139,7 @@ def check(args: argparse.Namespace, world_size: int | None):
                         f"{longest} ({cfg.model.name}/{cfg.model.flavor}).")
     if args.parity:
         check_parity(cfg)
-    else:
+    elif not args.dry_run:
         find_checkpoint(cfg)
     return cfg, spec
 
@@ -215,6 +222,26 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     dist.destroy_process_group()
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """Check as for a real launch of --world ranks, then simulate one step in this process."""
+    if args.parity or args.resume is not None or args.nproc is not None:
+        raise UserError("--dry-run simulates training; it does not combine with --parity, --resume or --nproc "
+                        "(give the number of ranks with --world N).")
+    if under_torchrun():
+        raise UserError("--dry-run runs in one process; start it with python, not torchrun.")
+    if args.world is not None and args.world < 1:
+        raise UserError(f"--world {args.world}: give the number of ranks to simulate, at least 1.")
+    cfg, spec = check(args, args.world)
+    from engine.dryrun.report import render, write_json
+    from engine.dryrun.simulate import simulate
+    result = simulate(cfg, spec, spec.world_size)
+    print(render(result, cfg), flush=True)
+    if cfg.dryrun.report:
+        write_json(result, cfg, cfg.dryrun.report)
+        print(f"report -> {cfg.dryrun.report}")
+    return EXIT_OK
+
+
 def exit_now(code: int) -> None:
     """Leave without running interpreter teardown: on torch 2.13 CPU about one exit in ten
     after destroy_process_group aborts with SIGABRT in C++ static destructors."""
@@ -240,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torchrun = under_torchrun()
     try:
+        if args.dry_run:
+            exit_now(dry_run(args))
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
             exit_now(launch_under_torchrun(spec.world_size, argv, args.max_restarts))

@@ -44,12 +44,17 @@ FLAVORS = {
                        vocab_size=256, max_seq_len=512),
     "debug_tied": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
                             vocab_size=256, max_seq_len=512, tie_embeddings=True),
+    # About 100M parameters: the largest size that a CPU test of the dry run can also train.
+    "100M": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048,
+                      vocab_size=16384, max_seq_len=2048),
     "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
     "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
 }
 
 

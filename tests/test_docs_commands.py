@@ -41,6 +41,8 @@ EXPECTED = {
     "parity.check_against=golden.json": ["checked against the trajectory in golden.json"],
     "--mesh hsdp=2,dp=2,tp=2 --set training.steps": ["mesh hsdp=2,dp=2,tp=2 on 8 ranks (cpu/gloo)"],
     "model.name=gpt2": ["plan gpt2"],
+    "--dry-run --world 1024": ["1024 simulated ranks", "memory per rank, GiB", "tokens/s, MFU"],
+    "bench/dryrun_validation.py": ["(equal)"],
 }
 
 

@@ -1,0 +1,88 @@
+"""One observed training step, the same for a real run and a dry run: the engine's own
+train_step, with the collectives counted and the tensor memory tracked (record.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from engine.dryrun import record, torch_internals
+from engine.train import build_optimizer, train_step
+
+# FSDPMemTracker's categories, folded into the report's.
+MEMORY_PARTS = {
+    "Sharded Param": "parameters", "Buffer": "parameters",
+    "Unsharded Param": "gathered", "All Gather": "gathered",
+    "Activation": "activations",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "OptState": "optimizer",
+    "Temp": "temporaries", "Reduce Scatter": "temporaries", "Inputs": "temporaries",
+}
+
+
+@dataclass
+class Observation:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    peak_bytes: int
+    at_peak: dict[str, int]
+    comm: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "peak_bytes": self.peak_bytes,
+                "at_peak": self.at_peak, "comm": self.comm}
+
+
+def create_optimizer_state(model, optimizer) -> None:
+    """Run one update with zero gradients so that the optimizer's state exists, as it does
+    in every step after the first: the observed step is a steady-state one."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _fold(snapshot: dict) -> tuple[int, dict[str, int]]:
+    parts = dict.fromkeys(sorted(set(MEMORY_PARTS.values())), 0)
+    total = 0
+    for per_device in snapshot.values():
+        for key, nbytes in per_device.items():
+            name = getattr(key, "value", key)
+            if name in MEMORY_PARTS:
+                parts[MEMORY_PARTS[name]] += nbytes
+            elif name == "Total":
+                total += nbytes
+    return total, parts
+
+
+def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
+    """Build the optimizer, bring it to its steady state, then run and observe one step
+    of the engine's train_step on a batch of this rank's shape."""
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+    create_optimizer_state(model, optimizer)
+    t = cfg.training
+    rows = t.global_batch // dims.data_size
+    inputs = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
+    targets = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
+    table = record.CommTable()
+    grads = {}
+    tracker = torch_internals.memory_tracker(model, optimizer)
+    tracker.track_inputs((inputs, targets))
+    # The tracker refuses a second root forward (a second micro-batch) until its per-module
+    # statistics are cleared; the step's peak, which the report reads, is kept apart from them.
+    # A global hook, because it must run before FSDP's own pre-forward hook on the root.
+    clear_module_stats = register_module_forward_pre_hook(
+        lambda module, _: tracker.reset_mod_stats() if module is model else None)
+    with tracker, record.recording(dims, table, fake) as optimizer_phase:
+        train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
+                   t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),
+                   after_backward=optimizer_phase)
+    clear_module_stats.remove()
+    peak, at_peak = _fold(tracker.get_tracker_snapshot("peak"))
+    return Observation(param_bytes=record.param_bytes(model), grad_bytes=grads["bytes"],
+                       optimizer_bytes=record.optimizer_bytes(optimizer), peak_bytes=peak, at_peak=at_peak,
+                       comm=table.as_dict())

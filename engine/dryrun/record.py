@@ -1,0 +1,183 @@
+"""What one training step does on one rank: its collectives and its memory.
+
+The same recorder watches a real run (tests/dryrun_worker.py, real tensors over gloo)
+and a dry run (fake tensors, fake process group), so a prediction and a measurement
+are counted by the same rules:
+
+- a collective is one c10d or functional-collective op; its bytes are the size of the
+  full buffer it produces or consumes: an all-gather's output, a reduce-scatter's
+  input, an all-reduce's tensor;
+- its mesh dimension is the one whose process group it ran on;
+- its phase is `forward`, `backward` (anything under Tensor.backward, including FSDP's
+  reduce-scatters) or `optimizer` (the loss mean, the gradient norm, the update);
+- state bytes are the local shards' element counts times their element sizes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from engine.dryrun import torch_internals
+
+KINDS = {
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+}
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _bytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def collective_bytes(kind: str, args) -> int:
+    """The full buffer: an all-gather's output (its first argument), a reduce-scatter's input
+    (its second for c10d and its first for functional ops), otherwise the tensor itself."""
+    tensors = [a for a in args if isinstance(a, (torch.Tensor, list, tuple))]
+    if kind == "reduce_scatter" and len(tensors) >= 2:
+        return max(_bytes(tensors[0]), _bytes(tensors[1]))
+    if kind == "all_gather" and len(tensors) >= 2:
+        return max(_bytes(tensors[0]), _bytes(tensors[1]))
+    return _bytes(tensors[0]) if tensors else 0
+
+
+def mesh_groups(dims) -> dict[tuple[int, ...], str]:
+    """The ranks of each mesh dimension's group that holds this rank -> the dimension's name.
+    A collective is labelled by its group's ranks, not its group's name: a process that
+    builds several meshes (tests/dryrun_worker.py) gets new groups, with new names, for the
+    same ranks, and torch reuses cached ones. Where two dimensions have the same ranks
+    (dp and data without hsdp), the first named here wins."""
+    groups = {}
+    for dim, size in zip(("hsdp", "dp", "tp"), dims.spec.sizes):
+        if size > 1:
+            groups.setdefault(torch_internals.group_ranks(dims.world.get_group(dim).group_name), dim)
+    groups.setdefault(torch_internals.group_ranks(dims.data.get_group().group_name), "data")
+    return groups
+
+
+class _Phase(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.backward:
+            return func(*args, **(kwargs or {}))
+        self.phase = "backward"
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.phase = "forward"
+
+
+class CommTable:
+    """count and bytes per (mesh dimension, phase, kind)."""
+
+    def __init__(self):
+        self.count = defaultdict(int)
+        self.bytes = defaultdict(int)
+
+    def add(self, dim: str, phase: str, kind: str, nbytes: int) -> None:
+        self.count[dim, phase, kind] += 1
+        self.bytes[dim, phase, kind] += nbytes
+
+    def as_dict(self) -> dict:
+        """{dim: {phase: {kind: {"count": n, "bytes": b}}}}, the JSON report's `comm`."""
+        out: dict = {}
+        for (dim, phase, kind), count in sorted(self.count.items()):
+            out.setdefault(dim, {}).setdefault(phase, {})[kind] = {"count": count,
+                                                                   "bytes": self.bytes[dim, phase, kind]}
+        return out
+
+
+def _recorder_class():
+    base = torch_internals.dispatch_mode_base()
+
+    class Recorder(base):
+        def __init__(self, phase: _Phase, groups: dict[tuple[int, ...], str], table: CommTable, fake: bool):
+            super().__init__()
+            self.phase, self.groups, self.table, self.fake = phase, groups, table, fake
+            self.dim_of_name: dict[str, str] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if self.fake and func is torch.ops.aten._local_scalar_dense.default:
+                return 1.0  # a fake tensor has no value: the dry run reads every scalar (loss, norm) as 1
+            kind = KINDS.get(func.overloadpacket.__name__) if func.namespace in ("c10d", "_c10d_functional") else None
+            if kind is not None:
+                self.table.add(self._dim(args, kwargs), self.phase.phase, kind, collective_bytes(kind, args))
+            return func(*args, **kwargs)
+
+        def _dim(self, args, kwargs) -> str:
+            # c10d ops take the group as a boxed ScriptObject; functional collectives take
+            # its name as their last string argument (an earlier one is the reduce op).
+            values = (*args, *kwargs.values())
+            strings = [v for v in values if isinstance(v, str)]
+            name = next((torch_internals.group_name(v) for v in values if isinstance(v, torch.ScriptObject)),
+                        strings[-1] if strings else None)
+            if name is None:
+                return "other"
+            if name not in self.dim_of_name:
+                ranks = torch_internals.group_ranks(name)
+                self.dim_of_name[name] = self.groups.get(ranks, f"group of {len(ranks)}")
+            return self.dim_of_name[name]
+
+    return Recorder
+
+
+@contextmanager
+def recording(dims, table: CommTable, fake: bool):
+    """Count the collectives run inside; yields a callable that marks the optimizer phase."""
+    phase = _Phase()
+    with ExitStack() as stack:
+        stack.enter_context(phase)
+        stack.enter_context(_recorder_class()(phase, mesh_groups(dims), table, fake))
+
+        def optimizer_phase():
+            phase.phase = "optimizer"
+        yield optimizer_phase
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages behind these (local shards of) tensors: FSDP keeps
+    each shard in a padded buffer, and its gradients as views of one buffer per group."""
+    seen = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[torch_internals.storage_key(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def param_bytes(model) -> int:
+    return storage_bytes(model.parameters())
+
+
+def grad_bytes(model) -> int:
+    return storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_bytes(optimizer) -> int:
+    return storage_bytes(value for state in optimizer.state.values() for value in state.values()
+                         if isinstance(value, torch.Tensor))

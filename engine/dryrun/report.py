@@ -1,0 +1,99 @@
+"""The dry run's report: a table for the terminal and JSON for tools.
+
+The JSON keys below are stable (docs/planning.md lists them); a change to their
+meaning bumps `version`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.dryrun.estimate import device_profile
+
+VERSION = 1
+GIB = 1024 ** 3
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def as_dict(result, cfg) -> dict:
+    e = result.estimate
+    return {
+        "version": VERSION,
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "mesh": result.mesh,
+        "world_size": result.world_size,
+        "seconds": result.seconds,
+        "notes": result.notes,
+        "roles": [{"ranks": r.ranks, "param_bytes": r.param_bytes, "grad_bytes": r.grad_bytes,
+                   "optimizer_bytes": r.optimizer_bytes, "peak_bytes": r.peak_bytes} for r in result.roles],
+        "rank0": result.observed.as_dict(),
+        "comm": result.observed.comm,
+        "flops_per_token": result.flops_per_token,
+        "step": e.as_dict(),
+        "device": dict(vars(cfg.dryrun)),
+    }
+
+
+def write_json(result, cfg, path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(as_dict(result, cfg), indent=1) + "\n")
+
+
+def _unit(result) -> tuple[str, int]:
+    return ("GiB", GIB) if max(r.peak_bytes for r in result.roles) >= GIB else ("MiB", 1024 ** 2)
+
+
+def _amount(nbytes: float, scale: int) -> str:
+    return f"{nbytes / scale:8.3f}"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.3f} ms"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def render(result, cfg) -> str:
+    e = result.estimate
+    profile = device_profile(cfg.dryrun)
+    lines = [f"dry run: {cfg.model.name}/{cfg.model.flavor}, mesh {result.mesh}, {result.world_size} simulated "
+             f"ranks, global batch {cfg.training.global_batch} x seq {cfg.training.seq_len}, "
+             f"micro-batches {cfg.training.micro_batches}, AC {cfg.parallel.activation_checkpoint}, "
+             f"reshard {cfg.parallel.reshard_after_forward} ({result.seconds:.1f} s)"]
+    lines += [f"note: {note}" for note in result.notes]
+    unit, scale = _unit(result)
+    lines += ["", f"memory per rank, {unit} (simulated step; peak = tracked tensor memory)",
+              f"  {'ranks':<16}{'params':>9}{'grads':>9}{'optim':>9}{'peak':>9}"]
+    for role in result.roles:
+        lines.append(f"  {_ranks(role.ranks):<16}{_amount(role.param_bytes, scale)} {_amount(role.grad_bytes, scale)} "
+                     f"{_amount(role.optimizer_bytes, scale)} {_amount(role.peak_bytes, scale)}")
+    parts = ", ".join(f"{name} {nbytes / scale:.3f}" for name, nbytes in result.observed.at_peak.items() if nbytes)
+    lines.append(f"  at rank 0's peak: {parts}")
+    lines += ["", "communication per step on rank 0 (simulated; count x full buffer)",
+              f"  {'dim':<12}{'phase':<11}" + "".join(f"{k:>22}" for k in KINDS)]
+    for dim, phases in result.observed.comm.items():
+        for phase, kinds in phases.items():
+            cells = []
+            for kind in KINDS:
+                v = kinds.get(kind)
+                cells.append(f"{v['count']} x {_size(v['bytes'] / v['count'])}" if v else "-")
+            lines.append(f"  {dim:<12}{phase:<11}" + "".join(f"{c:>22}" for c in cells))
+    lines += ["", f"step time (analytic, {profile.name}: {profile.peak_flops / 1e12:.0f} TFLOP/s at "
+              f"{profile.compute_efficiency:.0%}, {profile.intra_node_bytes_s / 1e9:.0f} GB/s in a node, "
+              f"{profile.inter_node_bytes_s / 1e9:.0f} GB/s between nodes of {profile.gpus_per_node}; "
+              f"FSDP traffic overlaps compute, TP and optimizer traffic does not)",
+              "  comm per dim: " + ", ".join(f"{d} {_time(s)}" for d, s in e.comm_s.items()),
+              f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} = step {_time(e.step_s)}",
+              f"  {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Both sides of the dry run's validation, layout by layout (tests/test_dryrun.py).
+
+    torchrun --nproc_per_node 4 tests/dryrun_worker.py measure LAYOUTS.json OUT/
+        every rank builds each layout for real over gloo (mesh, model, plan, seeded
+        weights), runs one observed step (engine/dryrun/observe.py) and writes
+        OUT/measured-<layout>-<rank>.json;
+and the prediction is the user's command, `launch/run.py --dry-run --world 4 --mesh ...
+--set ... --set dryrun.report=OUT/predicted-<layout>.json`, one process per layout:
+torch caches DTensor sharding decisions by mesh, and a second fake world in the same
+process reuses the first one's process-group names, so one process simulates one layout.
+
+LAYOUTS.json is a list of [mesh, [key=value, ...]] over the default config.
+`measure_and_predict` runs both for tests/test_dryrun.py and bench/dryrun_validation.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import parallel  # noqa: E402,F401  (registers the built-in plans)
+from engine.config import load_config  # noqa: E402
+from parallel.mesh import parse_mesh  # noqa: E402
+
+
+def measure_and_predict(layouts, out: Path, world_size: int) -> tuple[list[dict], list[dict]]:
+    """Both sides, each in its own processes: (measured[i][rank], predicted[i])."""
+    from tests.distributed import launcher, torchrun
+
+    layouts_file = out / "layouts.json"
+    layouts_file.write_text(json.dumps(layouts))
+    measured = torchrun(world_size, __file__, "measure", str(layouts_file), str(out), timeout=900)
+    assert measured.returncode == 0, measured.stderr[-4000:]
+    for index, (mesh, overrides) in enumerate(layouts):
+        report = out / f"predicted-{index}.json"
+        predicted = launcher("--dry-run", "--world", str(world_size), "--mesh", mesh, "--set", f"dryrun.report={report}",
+                             *(arg for value in overrides for arg in ("--set", value)))
+        assert predicted.returncode == 0, predicted.stdout[-2000:] + predicted.stderr[-4000:]
+    return ([{rank: json.loads((out / f"measured-{i}-{rank}.json").read_text()) for rank in range(world_size)}
+             for i in range(len(layouts))],
+            [json.loads((out / f"predicted-{i}.json").read_text()) for i in range(len(layouts))])
+
+
+def layout_config(mesh: str, overrides: list[str]):
+    return load_config(REPO / "configs" / "debug.yaml", [f"parallel.mesh={mesh}", *overrides])
+
+
+def measure(layouts, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from engine.dryrun.observe import observe_step
+    from launch.build import sharded_model
+    from parallel.mesh import build_mesh
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for index, (mesh, overrides) in enumerate(layouts):
+        cfg = layout_config(mesh, overrides)
+        spec = parse_mesh(mesh).resolve(dist.get_world_size())
+        dims = build_mesh(spec, "cpu")
+        model, _ = sharded_model(cfg, dims, torch.device("cpu"))
+        observed = observe_step(model, cfg, dims, torch.device("cpu"), fake=False)
+        (out / f"measured-{index}-{rank}.json").write_text(json.dumps(observed.as_dict()))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, layouts_file, out_dir = sys.argv[1:]
+    layouts = json.loads(Path(layouts_file).read_text())
+    assert mode == "measure", mode
+    measure(layouts, Path(out_dir))

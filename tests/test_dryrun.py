@@ -1,0 +1,164 @@
+"""The dry run's predictions against a real run of the same layouts (docs/planning.md).
+
+The measured side is real: 4 torchrun ranks over gloo, the debug model materialised
+and trained for one step, observed by engine/dryrun/observe.py. The predicted side is
+`simulate`, the dry run behind `launch/run.py --dry-run`, in one process with torch's
+fake process group and fake tensors. State bytes and collectives must agree exactly;
+the peak of tracked tensor memory within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel.mesh import parse_mesh
+from tests.distributed import launcher
+from tests.dryrun_worker import measure_and_predict
+
+WORLD = 4
+BATCH = "training.global_batch=8"
+LAYOUTS = [
+    ("dp=4", [BATCH]),
+    ("dp=2,tp=2", [BATCH, "parallel.sequence_parallel=true"]),
+    ("hsdp=2,dp=2", [BATCH]),
+    ("dp=4", [BATCH, "parallel.reshard_after_forward=2"]),
+    ("dp=2,tp=2", [BATCH, "parallel.activation_checkpoint=full"]),
+    ("hsdp=2,dp=2", [BATCH, "parallel.activation_checkpoint=selective", "parallel.reshard_after_forward=false"]),
+    ("dp=2,tp=2", [BATCH, "parallel.activation_checkpoint=op", "parallel.param_dtype=bfloat16"]),
+    ("dp=2,tp=2", [BATCH, "training.micro_batches=2", "parallel.reshard_after_forward=2"]),
+    ("dp=4", [BATCH, "model.flavor=debug_tied", "parallel.activation_checkpoint=full"]),
+]
+PEAK_TOLERANCE = 0.10
+
+
+def layout_id(layout) -> str:
+    mesh, overrides = layout
+    return " ".join([mesh, *(o.split(".", 1)[1] for o in overrides if o != BATCH)])
+
+
+@pytest.fixture(scope="module")
+def observations(tmp_path_factory):
+    """(measured, predicted) for every layout: measured[i][rank], predicted[i]."""
+    return measure_and_predict(LAYOUTS, tmp_path_factory.mktemp("dryrun"), WORLD)
+
+
+@pytest.mark.distributed
+@pytest.mark.compat
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[layout_id(layout) for layout in LAYOUTS])
+def test_dry_run_matches_a_real_run(observations, index):
+    measured, predicted = observations[0][index], observations[1][index]
+    # Roles are named by ranks of the first hsdp replica; the others hold the same shards.
+    replica = parse_mesh(predicted["mesh"]).resolve(WORLD)
+    replica_size = replica.dp * replica.tp
+    role_of = {rank: role for role in predicted["roles"] for rank in role["ranks"]}
+    assert {0, replica_size - 1} <= set(role_of)
+    for rank, real in measured.items():
+        role = role_of.get(rank % replica_size)
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes") if role else ():
+            assert role[key] == real[key], (rank, key, role[key], real[key])
+    assert predicted["comm"] == measured[0]["comm"]
+    peak, real_peak = predicted["rank0"]["peak_bytes"], measured[0]["peak_bytes"]
+    assert abs(peak - real_peak) <= PEAK_TOLERANCE * real_peak, (peak, real_peak, predicted["rank0"]["at_peak"],
+                                                                 measured[0]["at_peak"])
+
+
+
+@pytest.mark.compat
+def test_70b_state_bytes_match_the_analytic_shard():
+    """Rank 0 of 70B on hsdp=16,dp=8,tp=8 (1,024 ranks of the fake process group, fake
+    tensors): parameters and Adam's two moments are the full fp32 state over the 64-way
+    shard, plus FSDP's padding, within 1%."""
+    import torch.distributed as dist
+
+    from engine.dryrun import torch_internals
+    from engine.dryrun.observe import create_optimizer_state
+    from engine.dryrun.record import optimizer_bytes, param_bytes
+    from engine.dryrun.simulate import _rank_model
+    from engine.train import build_optimizer
+    from launch.run import DEFAULT_CONFIG
+    from engine.config import load_config
+
+    cfg = load_config(DEFAULT_CONFIG, ["model.flavor=70B", "parallel.reshard_after_forward=8"])
+    spec = parse_mesh("hsdp=16,dp=8,tp=8").resolve(1024)
+    try:
+        model, _ = _rank_model(cfg, spec, 1024, 0)
+        full = sum(p.numel() for p in model.parameters()) * 4
+        with torch_internals.fake_tensor_mode():
+            model.to_empty(device="cpu")
+            optimizer, _ = build_optimizer(model, cfg.optim, cfg.training.steps)
+            create_optimizer_state(model, optimizer)
+            params, optim = param_bytes(model), optimizer_bytes(optimizer)
+    finally:
+        dist.destroy_process_group()
+    assert full == 70_553_706_496 * 4
+    assert abs(params / (full / 64) - 1) < 0.01, params
+    assert abs(optim / (2 * full / 64) - 1) < 0.01, optim
+
+
+def test_dry_run_command_prints_the_report_and_writes_json(tmp_path):
+    report = tmp_path / "report.json"
+    result = launcher("--dry-run", "--world", "8", "--set", f"dryrun.report={report}",
+                      "--set", "parallel.activation_checkpoint=full")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in ("8 simulated ranks", "memory per rank", "communication per step", "tokens/s, MFU"):
+        assert line in result.stdout, result.stdout
+    data = json.loads(report.read_text())
+    assert data["version"] == 1 and data["world_size"] == 8 and data["mesh"] == "dp=4,tp=2"
+    assert {"param_bytes", "grad_bytes", "optimizer_bytes", "peak_bytes", "ranks"} <= set(data["roles"][0])
+    assert {"compute_s", "comm_s", "step_s", "tokens_per_s", "mfu"} <= set(data["step"])
+    assert data["comm"]["tp"]["forward"]["all_reduce"]["count"] > 0
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--world", "6"], "needs 8 ranks but the world size is 6"),
+    (["--world", "0"], "at least 1"),
+    (["--parity"], "does not combine with --parity"),
+    (["--set", "dryrun.device=custom"], "needs dryrun.peak_tflops"),
+    (["--set", "dryrun.device=TPU"], "dryrun.device"),
+])
+def test_dry_run_bad_input_is_one_paragraph(args, expected):
+    result = launcher("--dry-run", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def combination_reports(tmp_path_factory):
+    """`launch/run.py --dry-run` of every row of the combination matrix, two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.combinations import ROWS, mesh_of, overrides
+
+    out = tmp_path_factory.mktemp("dryrun-rows")
+
+    def run(index):
+        report = out / f"row-{index}.json"
+        result = launcher("--dry-run", "--mesh", mesh_of(ROWS[index]), "--set", f"dryrun.report={report}",
+                          *(arg for value in overrides(ROWS[index]) for arg in ("--set", value)))
+        return result, json.loads(report.read_text()) if report.exists() else None
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, range(len(ROWS))))
+
+
+def _row_indices():
+    from tests.combinations import ROWS
+    return range(len(ROWS))
+
+
+@pytest.mark.parametrize("index", _row_indices())
+def test_dry_run_of_every_combination_row(combination_reports, index):
+    """Every setting the engine has, with every other (tests/combinations.py), simulates."""
+    from tests.combinations import ROWS
+
+    row = ROWS[index]
+    result, report = combination_reports[index]
+    assert result.returncode == 0 and report is not None, result.stderr[-3000:]
+    assert report["rank0"]["peak_bytes"] > report["rank0"]["param_bytes"] > 0
+    assert report["comm"]["dp"]["forward"]["all_gather"]["count"] > 0
+    assert ("tp" in report["comm"]) == ("tp" in report["mesh"])
+    assert any("compile" in note for note in report["notes"]) == row["compile"]
+    assert any("offload" in note for note in report["notes"]) == row["offload"]
+    assert report["step"]["step_s"] > 0
