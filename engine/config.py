@@ -135,6 +135,8 @@ class DryRunConfig:
     inter_node_gbps: float = 0.0  # GB/s per GPU between nodes; 0 takes the profile's
     compute_efficiency: float = 0.5  # the fraction of peak that the matmuls reach
     report: str = ""  # also write the report as JSON to this path
+    gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
+    top: int = 5  # --plan-for: how many of the best layouts to print as command lines
 
 
 @dataclass
@@ -270,6 +272,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     for text in overrides:
         _set(cfg, *parse_override(text))
     return cfg
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with `key=value` overrides applied, as --set applies them."""
+    import copy
+    changed = copy.deepcopy(cfg)
+    for text in overrides:
+        _set(changed, *parse_override(text))
+    return changed
 
 
 def to_dict(cfg: Config) -> dict:

@@ -46,8 +46,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="instead of training, simulate one step of the layout in this process for "
                         "--world ranks and report per-rank memory, communication and predicted step time "
                         "(docs/planning.md); uses no accelerator and no real memory")
+    parser.add_argument("--plan-for", action="store_true",
+                        help="search the layouts the engine supports for --world N GPUs (dryrun.gpus_per_node, "
+                        "dryrun.gpu_memory_gib), drop those that do not fit, and print the fastest as "
+                        "command lines (docs/planning.md)")
     parser.add_argument("--world", type=int, metavar="N",
-                        help="with --dry-run: the number of ranks to simulate (default: the mesh's size)")
+                        help="with --dry-run or --plan-for: the number of ranks (default: the mesh's size)")
     parser.add_argument("--nproc", type=int, help="processes to start when not under torchrun "
                         "(default: the mesh's size)")
     parser.add_argument("--resume", nargs="?", const="", metavar="FOLDER",
@@ -106,7 +110,7 @@ def check(args: argparse.Namespace, world_size: int | None):
         cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)  # its config.json's shapes
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
-    if not args.dry_run:  # a dry run reads no data
+    if not (args.dry_run or args.plan_for):  # a dry run reads no data
         from engine.data.sources import check_data
         check_data(cfg, vocab_size(model))  # paths, prepared folders, vocabularies: index.json only
     if hf_import:
@@ -139,7 +143,7 @@ def check(args: argparse.Namespace, world_size: int | None):
                         f"{longest} ({cfg.model.name}/{cfg.model.flavor}).")
     if args.parity:
         check_parity(cfg)
-    elif not args.dry_run:
+    elif not (args.dry_run or args.plan_for):
         find_checkpoint(cfg)
     return cfg, spec
 
@@ -223,14 +227,18 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
 
 
 def dry_run(args: argparse.Namespace) -> int:
-    """Check as for a real launch of --world ranks, then simulate one step in this process."""
-    if args.parity or args.resume is not None or args.nproc is not None:
-        raise UserError("--dry-run simulates training; it does not combine with --parity, --resume or --nproc "
-                        "(give the number of ranks with --world N).")
+    """Check as for a real launch of --world ranks, then simulate one step in this process
+    (--dry-run), or one for each layout searched (--plan-for)."""
+    mode = "--plan-for" if args.plan_for else "--dry-run"
+    if args.parity or args.resume is not None or args.nproc is not None or (args.plan_for and args.dry_run):
+        raise UserError(f"{mode} simulates training; it does not combine with --parity, --resume, --nproc or "
+                        f"the other of --dry-run and --plan-for (give the number of ranks with --world N).")
     if under_torchrun():
-        raise UserError("--dry-run runs in one process; start it with python, not torchrun.")
+        raise UserError(f"{mode} runs in one process; start it with python, not torchrun.")
     if args.world is not None and args.world < 1:
         raise UserError(f"--world {args.world}: give the number of ranks to simulate, at least 1.")
+    if args.plan_for:
+        return plan_layouts(args)
     cfg, spec = check(args, args.world)
     from engine.dryrun.report import render, write_json
     from engine.dryrun.simulate import simulate
@@ -238,6 +246,33 @@ def dry_run(args: argparse.Namespace) -> int:
     print(render(result, cfg), flush=True)
     if cfg.dryrun.report:
         write_json(result, cfg, cfg.dryrun.report)
+        print(f"report -> {cfg.dryrun.report}")
+    return EXIT_OK
+
+
+def plan_layouts(args: argparse.Namespace) -> int:
+    from engine.dryrun.report import render_plan, render_outcome, write_plan_json
+    from engine.dryrun.search import plan_for, search_mesh
+    from engine.metrics.throughput import flops_per_token
+    from models import build_on_meta, model_args
+
+    if args.world is None or args.mesh is not None:
+        raise UserError("--plan-for chooses the mesh itself: give the number of GPUs with --world N, "
+                        "and no --mesh.")
+    # The launcher's checks, on the mesh of the search that asks least of the batch.
+    args.mesh = str(search_mesh(load_config(args.config, args.overrides), args.world))
+    cfg, _ = check(args, args.world)
+    depth = getattr(model_args(cfg.model.name, cfg.model.flavor), "n_layers", None)
+    if not isinstance(depth, int):
+        raise UserError(f"--plan-for simulates 1 and 2 blocks and extrapolates, so it needs a model whose "
+                        f"args have n_layers; {cfg.model.name}/{cfg.model.flavor} has none.")
+    fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor), cfg.training.seq_len)
+    print(render_plan(cfg, args.world, depth, None), flush=True)
+    outcomes = plan_for(cfg, args.world, depth, fpt, lambda o: print(render_outcome(o), flush=True))
+    print(render_plan(cfg, args.world, depth, outcomes, [o for o in args.overrides
+                                                          if not o.startswith("dryrun.")]))
+    if cfg.dryrun.report:
+        write_plan_json(outcomes, cfg, args.world, cfg.dryrun.report)
         print(f"report -> {cfg.dryrun.report}")
     return EXIT_OK
 
@@ -267,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torchrun = under_torchrun()
     try:
-        if args.dry_run:
+        if args.dry_run or args.plan_for:
             exit_now(dry_run(args))
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:

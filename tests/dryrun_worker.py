@@ -45,6 +45,9 @@ def measure_and_predict(layouts, out: Path, world_size: int) -> tuple[list[dict]
             [json.loads((out / f"predicted-{i}.json").read_text()) for i in range(len(layouts))])
 
 
+WORLD_OF_EXTRAPOLATION = 8
+
+
 def layout_config(mesh: str, overrides: list[str]):
     return load_config(REPO / "configs" / "debug.yaml", [f"parallel.mesh={mesh}", *overrides])
 
@@ -70,8 +73,30 @@ def measure(layouts, out: Path) -> None:
     dist.destroy_process_group()
 
 
+def extrapolation(layouts, out: Path, world_size: int) -> None:
+    """For --plan-for's shortcut: rank 0's step simulated at full depth, and extrapolated
+    from one and two block periods, side by side in OUT/extrapolated-<layout>.json."""
+    from engine.dryrun.search import Layout, observe
+    from engine.dryrun.simulate import eager, observe_rank_zero
+    from models import model_args
+
+    for index, (mesh, overrides) in enumerate(layouts):
+        cfg, _ = eager(layout_config(mesh, overrides))
+        spec = parse_mesh(mesh).resolve(world_size)
+        layout = Layout(spec, str(cfg.parallel.reshard_after_forward).lower(), cfg.parallel.activation_checkpoint,
+                        cfg.training.micro_batches)
+        depth = model_args(cfg.model.name, cfg.model.flavor).n_layers
+        full = observe_rank_zero(cfg, spec, world_size)
+        guess = observe(cfg, layout, world_size, depth)
+        (out / f"extrapolated-{index}.json").write_text(json.dumps({"full": full.as_dict(),
+                                                                     "extrapolated": guess.as_dict()}))
+
+
 if __name__ == "__main__":
     mode, layouts_file, out_dir = sys.argv[1:]
     layouts = json.loads(Path(layouts_file).read_text())
-    assert mode == "measure", mode
-    measure(layouts, Path(out_dir))
+    if mode == "measure":
+        measure(layouts, Path(out_dir))
+    else:
+        assert mode == "extrapolation", mode
+        extrapolation(layouts, Path(out_dir), WORLD_OF_EXTRAPOLATION)

@@ -43,6 +43,7 @@ EXPECTED = {
     "model.name=gpt2": ["plan gpt2"],
     "--dry-run --world 1024": ["1024 simulated ranks", "memory per rank, GiB", "tokens/s, MFU"],
     "bench/dryrun_validation.py": ["(equal)"],
+    "--plan-for --world 64": ["searched", "python launch/run.py --set model.flavor=8B"],
 }
 
 

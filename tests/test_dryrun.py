@@ -10,6 +10,9 @@ the peak of tracked tensor memory within 10%.
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -162,3 +165,66 @@ def test_dry_run_of_every_combination_row(combination_reports, index):
     assert any("compile" in note for note in report["notes"]) == row["compile"]
     assert any("offload" in note for note in report["notes"]) == row["offload"]
     assert report["step"]["step_s"] > 0
+
+
+EXTRAPOLATED = [  # the 100M flavor (12 blocks), 8 ranks of the fake process group
+    ("dp=8", ["model.flavor=100M", "training.seq_len=32"]),
+    ("dp=4,tp=2", ["model.flavor=100M", "training.seq_len=32", "parallel.sequence_parallel=true",
+                   "parallel.activation_checkpoint=selective"]),
+    ("hsdp=2,dp=4", ["model.flavor=100M", "training.seq_len=32", "parallel.reshard_after_forward=2",
+                     "parallel.activation_checkpoint=full", "training.micro_batches=2"]),
+]
+
+
+@pytest.mark.compat
+def test_plan_for_extrapolation_matches_a_full_depth_simulation(tmp_path):
+    """--plan-for simulates two shallow depths and extrapolates (engine/dryrun/search.py):
+    state bytes and collectives must come out exactly as at full depth, the peak within
+    the 10% that the dry run itself is held to against real runs."""
+    from tests.distributed import cpu_env
+    from tests.dryrun_worker import REPO
+
+    layouts = tmp_path / "layouts.json"
+    layouts.write_text(json.dumps(EXTRAPOLATED))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "dryrun_worker.py"), "extrapolation",
+                             str(layouts), str(tmp_path)], cwd=REPO, env=cpu_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for index in range(len(EXTRAPOLATED)):
+        pair = json.loads((tmp_path / f"extrapolated-{index}.json").read_text())
+        full, guess = pair["full"], pair["extrapolated"]
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm"):
+            assert guess[key] == full[key], (index, key)
+        assert abs(guess["peak_bytes"] / full["peak_bytes"] - 1) <= PEAK_TOLERANCE, (index, guess["phase_peaks"],
+                                                                                 full["phase_peaks"])
+
+
+def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
+    report = tmp_path / "plan.json"
+    result = launcher("--plan-for", "--world", "4", "--set", "training.seq_len=64", "--set", "training.global_batch=8",
+                      "--set", "dryrun.gpu_memory_gib=0.025", "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    fits = [layout for layout in data["layouts"] if layout["fits"]]
+    dropped = [layout for layout in data["layouts"] if not layout["fits"]]
+    assert fits and dropped, result.stdout  # 23 MiB for tensors: some layouts fit, some do not
+    speeds = [layout["step"]["tokens_per_s"] for layout in fits]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(layout["peak_bytes"] <= 0.9 * 0.025 * 1024 ** 3 for layout in fits)
+    assert all("usable" in layout["reason"] and layout["peak_bytes"] > 0.9 * 0.025 * 1024 ** 3 for layout in dropped)
+    best = next(line for line in result.stdout.splitlines() if line.strip().startswith("python launch/run.py"))
+    args = shlex.split(best.strip())[2:]
+    trained = launcher(*args, "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "done: 1 steps" in trained.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--plan-for"], "--world N"),
+    (["--plan-for", "--world", "8", "--mesh", "dp=8"], "no --mesh"),
+    (["--plan-for", "--dry-run", "--world", "8"], "does not combine"),
+])
+def test_plan_for_bad_input_is_one_paragraph(args, expected):
+    result = launcher(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr

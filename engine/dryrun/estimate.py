@@ -4,7 +4,8 @@ This part is analytic: the simulated step gives exact FLOP-bearing shapes and ex
 collective bytes, and this turns them into seconds under stated assumptions:
 
 - compute: the model's FLOPs per token (engine.metrics.throughput), times 4/3 for the
-  forward that full or per-block activation checkpointing repeats, over this rank's
+  forward that full or per-block activation checkpointing repeats (op-level AC keeps
+  the matmuls' results and recomputes elementwise ops, counted as free), over this rank's
   share of tokens (its data rank's tokens, split over tp), at `compute_efficiency`
   of the peak;
 - a collective moves its bytes at ring cost, (n-1)/n of them for an all-gather or a

@@ -30,11 +30,12 @@ class Observation:
     peak_bytes: int
     at_peak: dict[str, int]
     comm: dict = field(default_factory=dict)
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # the largest total in each phase
 
     def as_dict(self) -> dict:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "peak_bytes": self.peak_bytes,
-                "at_peak": self.at_peak, "comm": self.comm}
+                "at_peak": self.at_peak, "comm": self.comm, "phase_peaks": self.phase_peaks}
 
 
 def create_optimizer_state(model, optimizer) -> None:
@@ -77,12 +78,13 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     # A global hook, because it must run before FSDP's own pre-forward hook on the root.
     clear_module_stats = register_module_forward_pre_hook(
         lambda module, _: tracker.reset_mod_stats() if module is model else None)
-    with tracker, record.recording(dims, table, fake) as optimizer_phase:
+    with tracker, record.recording(dims, table, fake) as phase:
+        tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),
-                   after_backward=optimizer_phase)
+                   after_backward=phase.optimizer)
     clear_module_stats.remove()
     peak, at_peak = _fold(tracker.get_tracker_snapshot("peak"))
     return Observation(param_bytes=record.param_bytes(model), grad_bytes=grads["bytes"],
                        optimizer_bytes=record.optimizer_bytes(optimizer), peak_bytes=peak, at_peak=at_peak,
-                       comm=table.as_dict())
+                       comm=table.as_dict(), phase_peaks=dict(tracker.phase_peaks))

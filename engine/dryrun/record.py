@@ -90,6 +90,9 @@ class _Phase(TorchFunctionMode):
         finally:
             self.phase = "forward"
 
+    def optimizer(self) -> None:
+        self.phase = "optimizer"
+
 
 class CommTable:
     """count and bytes per (mesh dimension, phase, kind)."""
@@ -148,15 +151,13 @@ def _recorder_class():
 
 @contextmanager
 def recording(dims, table: CommTable, fake: bool):
-    """Count the collectives run inside; yields a callable that marks the optimizer phase."""
+    """Count the collectives run inside; yields the phase tracker (`.phase`, and
+    `.optimizer()` to mark the optimizer phase)."""
     phase = _Phase()
     with ExitStack() as stack:
         stack.enter_context(phase)
         stack.enter_context(_recorder_class()(phase, mesh_groups(dims), table, fake))
-
-        def optimizer_phase():
-            phase.phase = "optimizer"
-        yield optimizer_phase
+        yield phase
 
 
 def storage_bytes(tensors) -> int:

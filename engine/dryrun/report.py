@@ -97,3 +97,51 @@ def render(result, cfg) -> str:
               f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} = step {_time(e.step_s)}",
               f"  {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"]
     return "\n".join(lines)
+
+
+def render_outcome(outcome) -> str:
+    """One searched layout, as it is simulated: the progress of --plan-for."""
+    peak = f"peak {outcome.peak_bytes / GIB:6.1f} GiB"
+    if outcome.estimate is None:
+        return f"  drop  {outcome.layout.command_line()}\n        {outcome.reason}"
+    e = outcome.estimate
+    return (f"  fits  {outcome.layout.command_line()}\n        {peak}, step {_time(e.step_s)}, "
+            f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}")
+
+
+def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str:
+    """The header of --plan-for (outcomes None), or its summary: the best layouts as commands."""
+    from engine.dryrun.search import HEADROOM
+    dry = cfg.dryrun
+    if outcomes is None:
+        return (f"plan for {cfg.model.name}/{cfg.model.flavor} on {world} x {dry.device} "
+                f"({dry.gpu_memory_gib:g} GiB each, {1 - HEADROOM:.0%} of it for tensors; {dry.gpus_per_node} per "
+                f"node), global batch {cfg.training.global_batch} x seq {cfg.training.seq_len}\n"
+                f"each layout: rank 0 simulated at two depths one block apart (with selective AC, "
+                f"parallel.checkpoint_every blocks apart), extrapolated to "
+                f"{depth}; step time analytic "
+                f"(docs/planning.md)")
+    fits = [o for o in outcomes if o.estimate is not None]
+    lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, {len(outcomes) - len(fits)} do not"]
+    if not fits:
+        lines.append("none fits: use more GPUs, a shorter training.seq_len or a smaller training.global_batch")
+        return "\n".join(lines)
+    base = " ".join(f"--set {o}" for o in user_overrides)
+    lines.append(f"best {min(dry.top, len(fits))}, fastest first (predicted):")
+    for place, outcome in enumerate(fits[:dry.top], 1):
+        e = outcome.estimate
+        lines += [f"{place}. {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, step {_time(e.step_s)}, "
+                  f"peak {outcome.peak_bytes / GIB:.1f} GiB",
+                  f"   python launch/run.py {base + ' ' if base else ''}{outcome.layout.command_line()}"]
+    return "\n".join(lines)
+
+
+def write_plan_json(outcomes, cfg, world: int, path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    layouts = [{"mesh": str(o.layout.spec), "overrides": o.layout.overrides(), "fits": o.estimate is not None,
+                "peak_bytes": o.peak_bytes, "reason": o.reason, "step": o.estimate.as_dict() if o.estimate else None}
+               for o in outcomes]
+    target.write_text(json.dumps({"version": VERSION, "model": f"{cfg.model.name}/{cfg.model.flavor}",
+                                  "world_size": world, "device": dict(vars(cfg.dryrun)), "layouts": layouts},
+                                 indent=1) + "\n")

@@ -79,20 +79,50 @@ def shards_evenly(model) -> bool:
     return True
 
 
-def _rank_model(cfg, spec, world_size: int, rank: int):
-    """This rank's model after the plan, its parameters fake CPU tensors, and its mesh."""
+def enter_fake_world(world_size: int, rank: int) -> None:
+    """Be `rank` of a fake world of `world_size` ranks, keeping the current one if it is
+    that already: meshes of any shape can be built in one world (--plan-for does)."""
+    if dist.is_initialized():
+        if (dist.get_world_size(), dist.get_rank()) == (world_size, rank):
+            return
+        dist.destroy_process_group()
+    torch_internals.start_fake_world(world_size, rank)
+
+
+def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
+    """This rank's model after the plan, on meta, and its mesh (`n_layers` > 0: that depth)."""
     from models import build_on_meta
     from parallel.apply import apply_plan
     from parallel.mesh import build_mesh
     from parallel.plan import get_plan
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch_internals.start_fake_world(world_size, rank)
+    enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
-    model = build_on_meta(cfg.model.name, cfg.model.flavor)
+    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
     apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, cfg.prefetch)
     return model, dims
+
+
+def eager(cfg):
+    """The config the step is simulated with, and the notes on what that changes."""
+    notes = []
+    if cfg.parallel.compile:
+        notes.append("parallel.compile: blocks are simulated eagerly; collectives are the same, "
+                     "activation memory is eager's (an upper bound)")
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
+    if cfg.parallel.offload:
+        notes.append("parallel.offload: sharded state is counted as if on the GPU (an upper bound)")
+    return cfg, notes
+
+
+def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0) -> Observation:
+    """Rank 0's simulated step, at the model's depth or at `n_layers` blocks."""
+    model, dims = _rank_model(cfg, spec, world_size, 0, n_layers)
+    with torch_internals.fake_tensor_mode():
+        model.to_empty(device="cpu")
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
 
 
 def simulate(cfg, spec, world_size: int) -> DryRunResult:
@@ -101,13 +131,7 @@ def simulate(cfg, spec, world_size: int) -> DryRunResult:
 
     torch_internals.check_supported()
     started = time.perf_counter()
-    notes = []
-    if cfg.parallel.compile:
-        notes.append("parallel.compile: blocks are simulated eagerly; collectives are the same, "
-                     "activation memory is eager's (an upper bound)")
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
-    if cfg.parallel.offload:
-        notes.append("parallel.offload: sharded state is counted as if on the GPU (an upper bound)")
+    cfg, notes = eager(cfg)
     profile = device_profile(cfg.dryrun)
     roles: dict[tuple[int, int], Role] = {}
     observed = None

@@ -61,22 +61,29 @@ TRACKER_FIELDS = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
 
 
 def memory_tracker(model, optimizer):
-    """FSDPMemTracker, keeping only the step's peak. The stock tracker also updates a
-    peak for every module on every op, by walking all modules tracked so far: at 405B
-    (126 blocks) that walk is half of the dry run's time, and the report reads only the
-    step's peak. The fields it keeps are checked, so a torch that renames them fails
+    """FSDPMemTracker, keeping only the step's peak and the peak of each phase (forward,
+    backward, optimizer). The stock tracker also updates a peak for every module on
+    every op, by walking all modules tracked so far: at 405B (126 blocks) that walk is
+    half of the dry run's time, and the report reads only these. The fields it keeps are checked, so a torch that renames them fails
     here and not with a wrong number."""
     from copy import deepcopy
     base = _load("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")
 
     class StepPeakTracker(base):
+        phase_peaks: dict = {}
+        phase_of = None  # a callable naming the step's current phase, when given
+
         def _update_peak_stats(self, peak_state) -> None:
+            phase = self.phase_of() if self.phase_of else "forward"
+            total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
+            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), total)
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot["Total"]:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = deepcopy(snapshot)
 
     tracker = StepPeakTracker(model, optimizer)
+    tracker.phase_peaks = {}
     missing = [name for name in (*TRACKER_FIELDS, "_update_peak_stats") if not hasattr(tracker, name)]
     if missing or not hasattr(base, "_update_peak_stats"):
         import torch
