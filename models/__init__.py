@@ -17,7 +17,8 @@ MODELS = {
 
 def register_model(name: str, model_class, flavors: dict) -> None:
     """Add a model from outside this package. The class takes one flavor's args and
-    must provide init_value(fqn, shape, generator), reset_buffers(), an `args` with
+    must meet the contract of models/contract.py (docs/plans.md): init_distribution(fqn) or
+    init_value(fqn, shape, generator), reset_buffers(), an `args` with
     vocab_size and max_seq_len, and tie_weights() if it shares parameters."""
     MODELS[name] = (model_class, flavors)
 

@@ -12,15 +12,21 @@ from __future__ import annotations
 from torch import nn
 
 from engine.errors import UserError
+from models.initial_values import DISTRIBUTIONS
 
 DOCS = "docs/plans.md, section \"The model contract\""
 
 # (member, how it is called, when it is required, what the engine does with it)
 MEMBERS = (
+    ("init_distribution", "init_distribution(fqn) -> Normal | Constant", "optional",
+     "each parameter's distribution (models/initial_values.py). Each rank then draws only the values "
+     "of its own shard, from streams fixed by the seed, the name and the position: the cost of "
+     "initialising follows the shard, and the full value is the same on every layout"),
     ("init_value", "init_value(fqn, shape, generator) -> Tensor", "optional",
      "each parameter's full initial value, from which every rank slices its part. Without it, "
      "every module that holds parameters of its own is re-initialised by its reset_parameters()"),
-    ("reset_parameters", "module.reset_parameters()", "on every module holding parameters, without init_value",
+    ("reset_parameters", "module.reset_parameters()",
+     "on every module holding parameters, without init_distribution or init_value",
      "run alone on the CPU for each such module, under a generator seeded by the run seed and the "
      "module's path, then sliced; it must set the module's own parameters"),
     ("reset_buffers", "reset_buffers()", "if the model has buffers",
@@ -82,15 +88,26 @@ def modules_without_reset(model: nn.Module) -> list[str]:
             and not callable(getattr(module, "reset_parameters", None))]
 
 
+def check_distributions(model: nn.Module, what: str) -> None:
+    for fqn, _ in model.named_parameters():
+        distribution = model.init_distribution(fqn)
+        if not isinstance(distribution, DISTRIBUTIONS):
+            raise UserError(f"{what}.init_distribution({fqn!r}) returned {distribution!r}; it must return one of "
+                            f"{', '.join(d.__name__ for d in DISTRIBUTIONS)} from models.initial_values for "
+                            f"every parameter. See {DOCS}.")
+
+
 def check_model_contract(model: nn.Module, name: str) -> None:
     what = f"model {name!r} ({type(model).__name__})"
-    if not callable(getattr(model, "init_value", None)):
+    if callable(getattr(model, "init_distribution", None)):
+        check_distributions(model, what)
+    elif not callable(getattr(model, "init_value", None)):
         lacking = modules_without_reset(model)
         if lacking:
-            raise UserError(f"{what} has no init_value, and module {', '.join(map(repr, lacking[:3]))} holds "
-                            f"parameters but has no reset_parameters(), so the engine cannot give it initial "
-                            f"values. Add reset_parameters() to that module, or init_value to the model; "
-                            f"see {DOCS}.")
+            raise UserError(f"{what} has no init_distribution or init_value, and module "
+                            f"{', '.join(map(repr, lacking[:3]))} holds parameters but has no reset_parameters(), "
+                            f"so the engine cannot give it initial values. Add reset_parameters() to that "
+                            f"module, or init_distribution to the model; see {DOCS}.")
     buffers = [n for n, _ in model.named_buffers()]
     if buffers and not callable(getattr(model, "reset_buffers", None)):
         raise UserError(f"{what} has buffers ({', '.join(buffers[:3])}) but no reset_buffers(), so they would "

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.initial_values import Constant, Normal
+
 
 @dataclass(frozen=True)
 class GPT2Args:
@@ -96,10 +98,9 @@ class GPT2(nn.Module):
     def reset_buffers(self) -> None:
         """No buffers: positions are learned parameters."""
 
-    def init_value(self, fqn: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    def init_distribution(self, fqn: str) -> Normal | Constant:
         if fqn.endswith("bias"):
-            return torch.zeros(shape)
+            return Constant(0.0)
         if ".ln_" in f".{fqn}":
-            return torch.ones(shape)
-        std = 0.02 / math.sqrt(2 * self.args.n_layers) if fqn.endswith("c_proj.weight") else 0.02
-        return torch.randn(shape, generator=generator) * std
+            return Constant(1.0)
+        return Normal(0.02 / math.sqrt(2 * self.args.n_layers) if fqn.endswith("c_proj.weight") else 0.02)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.initial_values import Constant, Normal
+
 
 @dataclass(frozen=True)
 class LlamaArgs:
@@ -184,16 +186,14 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def init_value(self, fqn: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-        """The full initial value of parameter `fqn`, drawn from `generator` on the CPU."""
+    def init_distribution(self, fqn: str) -> Normal | Constant:
+        """How parameter `fqn` is initialised (models/initial_values.py)."""
         if fqn.endswith("norm.weight"):
-            return torch.ones(shape)
+            return Constant(1.0)
         if fqn == "tok_embeddings.weight":
-            std = self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
-        elif fqn == "output.weight":
-            std = self.args.dim ** -0.5
-        elif fqn.endswith(("wo.weight", "w2.weight")):
-            std = 0.02 / math.sqrt(2 * self.args.n_layers)  # residual outputs, GPT-2 style
-        else:
-            std = 0.02
-        return torch.randn(shape, generator=generator) * std
+            return Normal(self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0)
+        if fqn == "output.weight":
+            return Normal(self.args.dim ** -0.5)
+        if fqn.endswith(("wo.weight", "w2.weight")):
+            return Normal(0.02 / math.sqrt(2 * self.args.n_layers))  # residual outputs, GPT-2 style
+        return Normal(0.02)

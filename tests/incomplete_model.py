@@ -1,4 +1,4 @@
-"""A model plugin that breaks the contract: no init_value, and a module whose own parameter
+"""A model plugin that breaks the contract: no init_distribution, and a module whose own parameter
 has no reset_parameters() to initialise it. For tests/test_model_contract.py."""
 
 import torch
@@ -18,7 +18,7 @@ class Gate(nn.Module):
 
 
 class NoInitGPT2(GPT2):
-    init_value = None
+    init_distribution = None
 
     def __init__(self, args):
         super().__init__(args)

@@ -41,7 +41,8 @@ def test_a_plain_module_meets_the_contract():
 def test_a_parameter_without_reset_parameters_is_named():
     model = Bare()
     model.gate = Gate()
-    with pytest.raises(UserError, match=r"no init_value, and module 'gate' holds parameters but has no "
+    with pytest.raises(UserError, match=r"no init_distribution or init_value, and module 'gate' holds parameters "
+                                        r"but has no "
                                         r"reset_parameters\(\).*docs/plans.md"):
         check_model_contract(model, "bare")
     model.init_value = lambda fqn, shape, generator: torch.zeros(shape)
@@ -101,7 +102,7 @@ def test_docs_table_lists_every_member():
 def test_missing_member_exits_2_before_any_process_group():
     assert_clean_error(launcher("--mesh", "dp=2", "--set", "model.plugin=tests.incomplete_model,examples.gpt2_plan",
                                 "--set", "model.name=no_init", "--set", "parallel.plan=gpt2", timeout=60),
-                       "model 'no_init' (NoInitGPT2) has no init_value, and module 'gate'", "docs/plans.md")
+                       "model 'no_init' (NoInitGPT2) has no init_distribution or init_value, and module 'gate'", "docs/plans.md")
 
 
 PLAIN = ("--set", "model.plugin=examples.plain_model", "--set", "model.name=plain",

@@ -1,0 +1,99 @@
+"""Per-rank initialisation time against the shard degree (docs/benchmarks.md).
+
+For each dp size, one process plays rank 0 of a fake world of that size (torch's fake
+process group: materialising sends nothing, so one rank's work is measured alone),
+applies the plan to the model on meta and times `materialise`, one thread. Two ways:
+
+- shard: the model's init_distribution, each rank drawing only its own shard;
+- whole: the same model with an init_value that draws each whole parameter with
+  torch.randn and keeps the rank's slice (how models/llama.py initialised before).
+
+Each (way, dp) runs --repeats times, the order alternating, and the table gives the
+median seconds and each median over the dp=1 median of the same way.
+
+    .venv/bin/python bench/init_time.py [--flavor 1B] [--dp 1 2 4 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def whole_draws(model) -> None:
+    """Give `model` the whole-parameter init_value that Llama had before init_distribution."""
+    import torch
+
+    from models.initial_values import Constant
+
+    distribution_of = model.init_distribution
+
+    def init_value(fqn, shape, generator):
+        distribution = distribution_of(fqn)
+        if isinstance(distribution, Constant):
+            return torch.full(shape, distribution.value)
+        return torch.randn(shape, generator=generator) * distribution.std
+
+    model.init_distribution = None
+    model.init_value = init_value
+
+
+def one_rank(flavor: str, dp: int, way: str) -> dict:
+    import torch
+
+    from engine.config import load_config
+    from engine.dryrun.simulate import _rank_model
+    from models.materialise import materialise
+    from parallel.mesh import MeshSpec
+
+    torch.set_num_threads(1)
+    cfg = load_config(REPO / "configs" / "debug.yaml", [f"model.flavor={flavor}"])
+    model, _ = _rank_model(cfg, MeshSpec(1, dp, 1), dp, 0)
+    if way == "whole":
+        whole_draws(model)
+    started, cpu = time.perf_counter(), time.process_time()
+    materialise(model, "cpu", cfg.training.seed)
+    return {"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu,
+            "local_values": sum(p.to_local().numel() for p in model.parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flavor", default="1B")
+    parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--one", nargs=3, metavar=("FLAVOR", "DP", "WAY"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_rank(args.one[0], int(args.one[1]), args.one[2])))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for repeat in range(args.repeats):
+        order = [(way, dp) for dp in args.dp for way in ("shard", "whole")]
+        for way, dp in order if repeat % 2 == 0 else reversed(order):
+            out = subprocess.run([sys.executable, __file__, "--one", args.flavor, str(dp), way], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            runs.setdefault((way, dp), []).append(json.loads(out.strip().splitlines()[-1]))
+    print(f"{args.flavor}: materialise on rank 0, one thread, median of {args.repeats} (wall seconds)")
+    print("| dp | values on the rank | shard: s | shard: / dp=1 | whole: s | whole: / dp=1 | shard / whole |")
+    print("|---|---|---|---|---|---|---|")
+    median = {key: statistics.median(r["wall_s"] for r in rs) for key, rs in runs.items()}
+    for dp in args.dp:
+        shard, whole = median["shard", dp], median["whole", dp]
+        print(f"| {dp} | {runs['shard', dp][0]['local_values']:,} | {shard:.2f} | "
+              f"{shard / median['shard', args.dp[0]]:.3f} | {whole:.2f} | "
+              f"{whole / median['whole', args.dp[0]]:.3f} | {shard / whole:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
