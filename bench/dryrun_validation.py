@@ -3,6 +3,10 @@
 with --flavor 100M, for the 100M Llama.
 
     .venv/bin/python bench/dryrun_validation.py [--flavor 100M]
+
+It holds every row to the rules of tests/test_dryrun.py (state bytes and collectives
+equal, the peak within PEAK_TOLERANCE) and exits 1 when one breaks them, so the
+documented command, which `make test-docs` runs, is the 100M flavor's check.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.dryrun_worker import measure_and_predict  # noqa: E402
-from tests.test_dryrun import BATCH, LAYOUTS, WORLD, layout_id  # noqa: E402
+from tests.test_dryrun import BATCH, LAYOUTS, PEAK_TOLERANCE, WORLD, layout_id  # noqa: E402
 
 MIB = 1024 ** 2
 LARGER = [  # the 100M flavor: fewer, shorter rows keep the real run to a minute on 2 cores
@@ -28,9 +32,12 @@ LARGER = [  # the 100M flavor: fewer, shorter rows keep the real run to a minute
 ]
 
 
+def same_state(role: dict, real: dict) -> bool:
+    return all(role[k] == real[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+
+
 def state_cell(role: dict, real: dict) -> str:
-    same = all(role[k] == real[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
-    return f"{role['param_bytes']:,} / {role['optimizer_bytes']:,} ({'equal' if same else 'DIFFERENT'})"
+    return f"{role['param_bytes']:,} / {role['optimizer_bytes']:,} ({'equal' if same_state(role, real) else 'DIFFERENT'})"
 
 
 def comm_cell(predicted: dict, measured: dict) -> str:
@@ -48,12 +55,19 @@ def main() -> None:
     print(f"| layout ({WORLD} ranks) | rank 0 params / optimizer bytes | rank 0 collectives | "
           f"peak predicted | peak measured | predicted / measured |")
     print("|---|---|---|---|---|---|")
+    broken = []
     for layout, real, guess in zip(layouts, measured, predicted):
         role = next(r for r in guess["roles"] if 0 in r["ranks"])
         peak, real_peak = guess["rank0"]["peak_bytes"], real[0]["peak_bytes"]
         name = layout_id((layout[0], [o for o in layout[1] if o != BATCH]))
         print(f"| {name} | {state_cell(role, real[0])} | {comm_cell(guess['comm'], real[0]['comm'])} | "
               f"{peak / MIB:.2f} MiB | {real_peak / MIB:.2f} MiB | {peak / real_peak:.3f} |")
+        if not same_state(role, real[0]) or guess["comm"] != real[0]["comm"] \
+                or abs(peak / real_peak - 1) > PEAK_TOLERANCE:
+            broken.append(name)
+    if broken:
+        sys.exit(f"outside the rules of tests/test_dryrun.py (equal state and collectives, peak within "
+                 f"{PEAK_TOLERANCE:.0%}): {', '.join(broken)}")
 
 
 if __name__ == "__main__":

@@ -228,3 +228,18 @@ def test_plan_for_bad_input_is_one_paragraph(args, expected):
     result = launcher(*args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("measuring", [False, True])
+def test_the_torch_internals_the_dry_run_uses_are_checked_up_front(monkeypatch, measuring):
+    """This torch has every private name the dry run (and its measured side) uses; one it
+    lacked would be named before anything runs."""
+    from engine.dryrun import torch_internals
+    from engine.errors import UserError
+
+    torch_internals.check_supported(measuring)
+    table = "MEASURING" if measuring else "NEEDED"
+    monkeypatch.setattr(torch_internals, table, (*getattr(torch_internals, table), ("torch", "no_such_name")))
+    with pytest.raises(UserError, match="needs torch.no_such_name"):
+        torch_internals.check_supported(measuring)

@@ -78,7 +78,7 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     # A global hook, because it must run before FSDP's own pre-forward hook on the root.
     clear_module_stats = register_module_forward_pre_hook(
         lambda module, _: tracker.reset_mod_stats() if module is model else None)
-    with tracker, record.recording(dims, table, fake) as phase:
+    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase:
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),
