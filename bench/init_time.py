@@ -8,10 +8,11 @@ applies the plan to the model on meta and times `materialise`, one thread. Two w
 - whole: the same model with an init_value that draws each whole parameter with
   torch.randn and keeps the rank's slice (how models/llama.py initialised before).
 
-Each (way, dp) runs --repeats times, the order alternating, and the table gives the
-median seconds and each median over the dp=1 median of the same way.
-
-    .venv/bin/python bench/init_time.py [--flavor 1B] [--dp 1 2 4 8] [--repeats 3]
+Each (way, dp) runs --repeats times, the order alternating, and the table gives
+medians of wall seconds and of user CPU seconds, and each CPU median over the dp=1
+median of the same way. User CPU time is the drawing; the rest of the wall time is
+mostly the kernel faulting in the shard's fresh memory (system time), which on the
+2-core CI machine varied from run to run and grew faster than the memory.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def one_rank(flavor: str, dp: int, way: str) -> dict:
     model, _ = _rank_model(cfg, MeshSpec(1, dp, 1), dp, 0)
     if way == "whole":
         whole_draws(model)
-    started, cpu = time.perf_counter(), time.process_time()
+    started, cpu = time.perf_counter(), os.times()
     materialise(model, "cpu", cfg.training.seed)
-    return {"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu,
+    return {"wall_s": time.perf_counter() - started, "user_s": os.times().user - cpu.user,
             "local_values": sum(p.to_local().numel() for p in model.parameters())}
 
 
@@ -85,15 +86,17 @@ def main() -> None:
                                  capture_output=True, text=True, check=True).stdout
             runs.setdefault((way, dp), []).append(json.loads(out.strip().splitlines()[-1]))
     print(f"{args.flavor}: materialise on rank 0, one thread, median of {args.repeats} (wall seconds)")
-    print("| dp | values on the rank | shard: s | shard: / dp=1 | whole: s | whole: / dp=1 | shard / whole |")
-    print("|---|---|---|---|---|---|---|")
-    median = {key: statistics.median(r["wall_s"] for r in rs) for key, rs in runs.items()}
+    print("| dp | values on the rank | shard: wall s | shard: user CPU s | shard: CPU / dp=1 | whole: wall s "
+          "| whole: user CPU s | whole: CPU / dp=1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    median = {(key, figure): statistics.median(r[figure] for r in rs)
+              for key, rs in runs.items() for figure in ("wall_s", "user_s")}
     for dp in args.dp:
-        shard, whole = median["shard", dp], median["whole", dp]
-        print(f"| {dp} | {runs['shard', dp][0]['local_values']:,} | {shard:.2f} | "
-              f"{shard / median['shard', args.dp[0]]:.3f} | {whole:.2f} | "
-              f"{whole / median['whole', args.dp[0]]:.3f} | {shard / whole:.3f} |")
-
+        cells = [f"{dp}", f"{runs['shard', dp][0]['local_values']:,}"]
+        for way in ("shard", "whole"):
+            user, first = median[(way, dp), "user_s"], median[(way, args.dp[0]), "user_s"]
+            cells += [f"{median[(way, dp), 'wall_s']:.2f}", f"{user:.2f}", f"{user / first:.3f}"]
+        print("| " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -44,6 +44,7 @@ EXPECTED = {
     "--dry-run --world 1024": ["1024 simulated ranks", "memory per rank, GiB", "tokens/s, MFU"],
     "bench/dryrun_validation.py": ["(equal)"],
     "--plan-for --world 64": ["searched", "python launch/run.py --set model.flavor=8B"],
+    "bench/init_time.py": ["| 8 | 12,585,312 |"],
 }
 
 

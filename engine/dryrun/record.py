@@ -168,7 +168,7 @@ def _isolation_class():
         tensors until it next takes its queue's lock: when the step had already dropped
         them, they were freed on that thread, at a moment that varied from run to run (dp=4
         reshard_after_forward=2 peaked at 33.72 or 35.97 MiB). The dry run's fake
-        collectives hold nothing, nor do NCCL's on a GPU. Ops run here pass no mode."""
+        collectives hold nothing. Ops run here pass no mode."""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
