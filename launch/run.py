@@ -10,6 +10,7 @@ with code 2 and one paragraph.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -254,18 +255,20 @@ def plan_layouts(args: argparse.Namespace) -> int:
     from engine.dryrun.report import render_plan, render_outcome, write_plan_json
     from engine.dryrun.search import plan_for, search_mesh
     from engine.metrics.throughput import flops_per_token
-    from models import build_on_meta, model_args
+    from engine.plugins import load_plugins
+    from models import build_on_meta
 
     if args.world is None or args.mesh is not None:
         raise UserError("--plan-for chooses the mesh itself: give the number of GPUs with --world N, "
                         "and no --mesh.")
+    searched = load_config(args.config, args.overrides)
+    import parallel  # noqa: F401  (registers the built-in plans)
+    load_plugins(searched.model.plugin)  # the search builds the user's model under their plan
+    plan_depth(searched)
     # The launcher's checks, on the mesh of the search that asks least of the batch.
-    args.mesh = str(search_mesh(load_config(args.config, args.overrides), args.world))
+    args.mesh = str(search_mesh(searched, args.world))
     cfg, _ = check(args, args.world)
-    depth = getattr(model_args(cfg.model.name, cfg.model.flavor), "n_layers", None)
-    if not isinstance(depth, int):
-        raise UserError(f"--plan-for simulates 1 and 2 blocks and extrapolates, so it needs a model whose "
-                        f"args have n_layers; {cfg.model.name}/{cfg.model.flavor} has none.")
+    depth = plan_depth(cfg)
     fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor), cfg.training.seq_len)
     print(render_plan(cfg, args.world, depth, None), flush=True)
     outcomes = plan_for(cfg, args.world, depth, fpt, lambda o: print(render_outcome(o), flush=True))
@@ -275,6 +278,18 @@ def plan_layouts(args: argparse.Namespace) -> int:
         write_plan_json(outcomes, cfg, args.world, cfg.dryrun.report)
         print(f"report -> {cfg.dryrun.report}")
     return EXIT_OK
+
+
+def plan_depth(cfg) -> int:
+    """The model's number of blocks, which --plan-for extrapolates to."""
+    from models import model_args
+    args = model_args(cfg.model.name, cfg.model.flavor)
+    depth = getattr(args, "n_layers", None)
+    if not dataclasses.is_dataclass(args) or not isinstance(depth, int):
+        raise UserError(f"--plan-for simulates a few blocks and extrapolates, so it needs a model whose args "
+                        f"are a dataclass with n_layers; {cfg.model.name}/{cfg.model.flavor} has none. Use "
+                        f"--dry-run on the layouts you have in mind instead.")
+    return depth
 
 
 def exit_now(code: int) -> None:

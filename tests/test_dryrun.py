@@ -219,7 +219,29 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     assert "done: 1 steps" in trained.stdout
 
 
+GPT2 = ["--set", "model.plugin=examples.gpt2_plan", "--set", "model.name=gpt2", "--set", "model.flavor=debug",
+        "--set", "parallel.plan=gpt2"]
+
+
+def test_plan_for_a_model_added_through_the_plan_api(tmp_path):
+    """GPT-2 from examples/gpt2_plan.py, whose plan has no sequence-parallel variant: the
+    search loads the plugin, offers tensor parallel without SP, and its best command trains."""
+    report = tmp_path / "plan.json"
+    result = launcher("--plan-for", "--world", "4", *GPT2, "--set", "training.global_batch=8",
+                      "--set", "dryrun.gpu_memory_gib=1", "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    layouts = json.loads(report.read_text())["layouts"]
+    with_tp = [layout for layout in layouts if "tp=" in layout["mesh"]]
+    assert with_tp and all("parallel.sequence_parallel=false" in layout["overrides"] for layout in with_tp)
+    best = next(line for line in result.stdout.splitlines() if line.strip().startswith("python launch/run.py"))
+    trained = launcher(*shlex.split(best.strip())[2:], "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "done: 1 steps" in trained.stdout
+
+
 @pytest.mark.parametrize("args, expected", [
+    (["--plan-for", "--world", "4", "--set", "model.plugin=examples.plain_model", "--set", "model.name=plain",
+      "--set", "model.flavor=tiny", "--set", "parallel.plan=plain"], "needs a model whose args are a dataclass"),
     (["--plan-for"], "--world N"),
     (["--plan-for", "--world", "8", "--mesh", "dp=8"], "no --mesh"),
     (["--plan-for", "--dry-run", "--world", "8"], "does not combine"),

@@ -12,8 +12,9 @@ against a simulation at full depth).
 What is searched, and why not more:
 - mesh: tp in 1, 2, 4, 8 (within a node, dividing the world, and over which the plan
   splits every module evenly), with FSDP over all the
-  other ranks (dp) or within a node and replicated across nodes (hsdp x dp); sequence
-  and loss parallelism on whenever tp > 1;
+  other ranks (dp) or within a node and replicated across nodes (hsdp x dp); with
+  tp > 1, loss parallelism on, and sequence parallelism on when the plan has a
+  sequence-parallel variant;
 - reshard_after_forward: false, true, and the node-local group size when dp spans
   more than one node;
 - activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
@@ -46,13 +47,16 @@ class Layout:
     reshard: str
     activation_checkpoint: str
     micro_batches: int
+    sequence_parallel: bool = True  # with tp > 1: off for a plan without a sequence-parallel variant
 
     def overrides(self) -> list[str]:
-        sp = "true" if self.spec.tp > 1 else "false"
+        tp = self.spec.tp > 1
+        sp = tp and self.sequence_parallel
         return [f"parallel.reshard_after_forward={self.reshard}",
                 f"parallel.activation_checkpoint={self.activation_checkpoint}",
-                f"training.micro_batches={self.micro_batches}", f"parallel.sequence_parallel={sp}",
-                f"parallel.loss_parallel={sp}", "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32"]
+                f"training.micro_batches={self.micro_batches}", f"parallel.sequence_parallel={str(sp).lower()}",
+                f"parallel.loss_parallel={str(tp).lower()}", "parallel.param_dtype=bfloat16",
+                "parallel.reduce_dtype=float32"]
 
     def command_line(self) -> str:
         return f"--mesh {self.spec} " + " ".join(f"--set {o}" for o in self.overrides())
@@ -66,21 +70,28 @@ class Outcome:
     reason: str = ""
 
 
+def offers_sequence_parallel(cfg) -> bool:
+    from parallel.plan import get_plan
+    return bool(get_plan(cfg.parallel.plan).sequence_parallel)
+
+
 def plan_takes_tp(cfg, tp: int) -> bool:
-    """Whether the model's plan splits evenly over `tp` ranks, with sequence and loss parallel."""
+    """Whether the model's plan splits evenly over `tp` ranks, with loss parallel and, when
+    the plan has it, sequence parallel."""
     from models import build_on_meta
     from parallel.apply import tensor_parallel_styles
     from parallel.plan import get_plan
     from parallel.validate import validate_plan
     if tp == 1:
         return True
-    cfg = with_overrides(cfg, ["parallel.sequence_parallel=true", "parallel.loss_parallel=true"])
+    sp = offers_sequence_parallel(cfg)
+    cfg = with_overrides(cfg, [f"parallel.sequence_parallel={str(sp).lower()}", "parallel.loss_parallel=true"])
     model, plan = build_on_meta(cfg.model.name, cfg.model.flavor, 1), get_plan(cfg.parallel.plan)
     try:
-        validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), tp, True)
+        validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), tp, sp)
     except UserError:
         return False
-    return cfg.training.seq_len % tp == 0
+    return not sp or cfg.training.seq_len % tp == 0  # sequence parallel splits the sequence
 
 
 def meshes(cfg, world: int) -> list[MeshSpec]:
@@ -158,7 +169,8 @@ def observe(cfg, layout: Layout, world: int, depth: int) -> Observation:
 def runnable(cfg, layout: Layout) -> bool:
     t, spec = cfg.training, layout.spec
     data = spec.hsdp * spec.dp
-    return t.global_batch % (data * layout.micro_batches) == 0 and t.seq_len % spec.tp == 0
+    sequence_split = spec.tp if layout.sequence_parallel else 1
+    return t.global_batch % (data * layout.micro_batches) == 0 and t.seq_len % sequence_split == 0
 
 
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
@@ -169,12 +181,13 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
         raise UserError(f"dryrun.gpu_memory_gib={dry.gpu_memory_gib}: give the GPU's memory in GiB, e.g. 80.")
     usable = dry.gpu_memory_gib * GIB * (1 - HEADROOM)
     outcomes = []
+    sequence_parallel = offers_sequence_parallel(cfg)
     for spec in meshes(cfg, world):
         for reshard in reshard_options(spec, dry.gpus_per_node):
             found = False
             for ac in AC_MODES:
                 for micro in MICRO_BATCHES:
-                    layout = Layout(spec, reshard, ac, micro)
+                    layout = Layout(spec, reshard, ac, micro, sequence_parallel)
                     if found or not runnable(cfg, layout):
                         continue
                     layout_cfg = layout_config(cfg, layout)
