@@ -101,7 +101,8 @@ def check(args: argparse.Namespace, world_size: int | None):
     from parallel.validate import validate_plan
     load_plugins(cfg.model.plugin)
     plan = get_plan(cfg.parallel.plan)
-    pick_device(cfg)
+    if not (args.dry_run or args.plan_for):  # a dry run simulates a GPU job on any machine
+        pick_device(cfg)
     hf_import = cfg.checkpoint.hf_import
     if hf_import:
         from engine.checkpoint.hf import register_hf_flavor

@@ -101,9 +101,11 @@ def test_70b_state_bytes_match_the_analytic_shard():
 
 
 def test_dry_run_command_prints_the_report_and_writes_json(tmp_path):
+    """Also for a config written for GPUs (device cuda, backend nccl), on a machine that may have none."""
     report = tmp_path / "report.json"
     result = launcher("--dry-run", "--world", "8", "--set", f"dryrun.report={report}",
-                      "--set", "parallel.activation_checkpoint=full")
+                      "--set", "parallel.activation_checkpoint=full", "--set", "parallel.device=cuda",
+                      "--set", "parallel.backend=nccl")
     assert result.returncode == 0, result.stderr[-3000:]
     for line in ("8 simulated ranks", "memory per rank", "communication per step", "tokens/s, MFU"):
         assert line in result.stdout, result.stdout
@@ -151,6 +153,7 @@ def _row_indices():
     return range(len(ROWS))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("index", _row_indices())
 def test_dry_run_of_every_combination_row(combination_reports, index):
     """Every setting the engine has, with every other (tests/combinations.py), simulates."""
