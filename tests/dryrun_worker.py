@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,11 +36,16 @@ def measure_and_predict(layouts, out: Path, world_size: int) -> tuple[list[dict]
     layouts_file.write_text(json.dumps(layouts))
     measured = torchrun(world_size, __file__, "measure", str(layouts_file), str(out), timeout=900)
     assert measured.returncode == 0, measured.stderr[-4000:]
-    for index, (mesh, overrides) in enumerate(layouts):
-        report = out / f"predicted-{index}.json"
-        predicted = launcher("--dry-run", "--world", str(world_size), "--mesh", mesh, "--set", f"dryrun.report={report}",
-                             *(arg for value in overrides for arg in ("--set", value)))
-        assert predicted.returncode == 0, predicted.stdout[-2000:] + predicted.stderr[-4000:]
+
+    def predict(index: int):
+        mesh, overrides = layouts[index]
+        return launcher("--dry-run", "--world", str(world_size), "--mesh", mesh,
+                        "--set", f"dryrun.report={out / f'predicted-{index}.json'}",
+                        *(arg for value in overrides for arg in ("--set", value)))
+
+    with ThreadPoolExecutor(2) as pool:  # one process per layout (see above), two cores
+        for predicted in pool.map(predict, range(len(layouts))):
+            assert predicted.returncode == 0, predicted.stdout[-2000:] + predicted.stderr[-4000:]
     return ([{rank: json.loads((out / f"measured-{i}-{rank}.json").read_text()) for rank in range(world_size)}
              for i in range(len(layouts))],
             [json.loads((out / f"predicted-{i}.json").read_text()) for i in range(len(layouts))])
