@@ -269,9 +269,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as err:
             raise UserError(f"config file {str(path)!r} is not valid YAML: {err}") from None
         _apply_mapping(cfg, data, str(path))
-    for text in overrides:
-        _set(cfg, *parse_override(text))
-    return cfg
+    return with_overrides(cfg, overrides)
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:

@@ -131,9 +131,9 @@ def extrapolate(one: Observation, two: Observation, first: int, period: int, dep
         for dim in b:
             for phase in b[dim]:
                 for kind, value in b[dim][phase].items():
-                    first = a.get(dim, {}).get(phase, {}).get(kind, {"count": 0, "bytes": 0})
+                    shallow = a.get(dim, {}).get(phase, {}).get(kind, {"count": 0, "bytes": 0})
                     out.setdefault(dim, {}).setdefault(phase, {})[kind] = {
-                        key: grow(first[key], value[key]) for key in ("count", "bytes")}
+                        key: grow(shallow[key], value[key]) for key in ("count", "bytes")}
         return out
 
     # Each phase's peak grows with depth at its own rate (the forward's with the saved
