@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from engine.data.sources import CorpusSource, local_batch  # noqa: E402
 from models.llama import FLAVORS, Llama  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,3 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)

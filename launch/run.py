@@ -28,6 +28,7 @@ from engine.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_
 from launch.exits import leave_crash, leave_error, ranks_print_errors, run_agent  # noqa: E402
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "configs" / "debug.yaml"
 
@@ -293,21 +294,13 @@ def plan_depth(cfg) -> int:
     return depth
 
 
-def exit_now(code: int) -> None:
-    """Leave without running interpreter teardown: on torch 2.13 CPU about one exit in ten
-    after destroy_process_group aborts with SIGABRT in C++ static destructors."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def stop_with_error(paragraph: str, code: int) -> None:
     """Bad input or a non-finite loss: one paragraph, printed once, and left for torchrun."""
     message = f"error: {paragraph}"
     leave_error(message)
     if is_rank_zero() and ranks_print_errors():
         print(message, file=sys.stderr)
-    exit_now(code)
+    exit_without_teardown(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -319,13 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     torchrun = under_torchrun()
     try:
         if args.dry_run or args.plan_for:
-            exit_now(dry_run(args))
+            exit_without_teardown(dry_run(args))
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
-            exit_now(launch_under_torchrun(spec.world_size, argv, args.max_restarts))
+            exit_without_teardown(launch_under_torchrun(spec.world_size, argv, args.max_restarts))
         if args.parity:
             from launch.parity import run_parity
-            exit_now(run_parity(cfg, spec))
+            exit_without_teardown(run_parity(cfg, spec))
         train_on_mesh(cfg, spec, show_plan=args.explain)
     except UserError as err:
         stop_with_error(str(err), EXIT_USER_ERROR)
@@ -338,8 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as err:  # a bug, not bad input: keep the traceback, still exit cleanly
         traceback.print_exc()
         leave_crash(err)
-        exit_now(EXIT_FAILED)
-    exit_now(EXIT_OK)
+        exit_without_teardown(EXIT_FAILED)
+    exit_without_teardown(EXIT_OK)
 
 
 if __name__ == "__main__":

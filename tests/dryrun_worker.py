@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 import parallel  # noqa: E402,F401  (registers the built-in plans)
 from engine.config import load_config  # noqa: E402
 from parallel.mesh import parse_mesh  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 
 def measure_and_predict(layouts, out: Path, world_size: int) -> tuple[list[dict], list[dict]]:
@@ -103,6 +104,7 @@ if __name__ == "__main__":
     layouts = json.loads(Path(layouts_file).read_text())
     if mode == "measure":
         measure(layouts, Path(out_dir))
+        exit_without_teardown(0)
     else:
         assert mode == "extrapolation", mode
         extrapolation(layouts, Path(out_dir), WORLD_OF_EXTRAPOLATION)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from engine.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, save_hf  # noqa: E402
 from launch.build import sharded_model, start_process_group  # noqa: E402
 from launch.run import check, parse_args  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 TOKENS_SEED = 7
 
@@ -56,5 +57,4 @@ def main(mesh: str, out: Path, folders: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])
-    sys.stdout.flush()
-    os._exit(0)  # see launch/run.py exit_now: teardown after destroy_process_group may abort
+    exit_without_teardown(0)

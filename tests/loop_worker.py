@@ -11,7 +11,6 @@ all-gathers does not depend on TP); the sequence-parallel section only with it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from parallel.apply import apply_plan  # noqa: E402
 from parallel.mesh import MeshSpec, build_mesh, parse_mesh  # noqa: E402
 from parallel.plan import Plan, get_plan  # noqa: E402
 from parallel.prefetch import prefetch_order, unshard_ahead  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 1234
@@ -295,8 +295,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

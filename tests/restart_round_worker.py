@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallel.process_group import init_process_group  # noqa: E402
+from parallel.process_group import exit_without_teardown, init_process_group  # noqa: E402
 
 if __name__ == "__main__":
     rank = int(os.environ["RANK"])
@@ -24,3 +24,4 @@ if __name__ == "__main__":
     dist.all_reduce(total)
     print(f"rank {rank} restart count {os.environ['TORCHELASTIC_RESTART_COUNT']} sum {total.item():.0f}", flush=True)
     dist.destroy_process_group()
+    exit_without_teardown(0)
