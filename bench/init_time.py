@@ -98,5 +98,6 @@ def main() -> None:
             cells += [f"{median[(way, dp), 'wall_s']:.2f}", f"{user:.2f}", f"{user / first:.3f}"]
         print("| " + " | ".join(cells) + " |")
 
+
 if __name__ == "__main__":
     main()

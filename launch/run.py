@@ -73,6 +73,21 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def register_model_sources(cfg) -> None:
+    """What the model and plan names may refer to: the built-in plans, the plugins, and
+    the flavor of an HF checkpoint being imported (its config.json's shapes)."""
+    import parallel  # noqa: F401  (registers the built-in plans)
+    from engine.plugins import load_plugins
+    load_plugins(cfg.model.plugin)
+    hf_import = cfg.checkpoint.hf_import
+    if hf_import:
+        from engine.checkpoint.hf import register_hf_flavor
+        if cfg.checkpoint.init_from:
+            raise UserError(f"checkpoint.hf_import and checkpoint.init_from both give the starting "
+                            f"weights ({hf_import!r}, {cfg.checkpoint.init_from!r}). Keep one.")
+        cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)
+
+
 def check(args: argparse.Namespace, world_size: int | None):
     """Everything that can be checked without a process group. Returns (config, mesh)."""
     cfg = load_config(args.config, args.overrides)
@@ -91,8 +106,6 @@ def check(args: argparse.Namespace, world_size: int | None):
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (REPO / data_path).exists():
         cfg.data.path = str(REPO / data_path)  # shipped data, found from any working directory
-    import parallel  # noqa: F401  (registers the built-in plans)
-    from engine.plugins import load_plugins
     from models import build_on_meta
     from models.contract import check_model_contract, max_seq_len, vocab_size
     from parallel.apply import tensor_parallel_styles
@@ -100,17 +113,11 @@ def check(args: argparse.Namespace, world_size: int | None):
     from parallel.plan import get_plan
     from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
     from parallel.validate import validate_plan
-    load_plugins(cfg.model.plugin)
+    register_model_sources(cfg)
     plan = get_plan(cfg.parallel.plan)
     if not (args.dry_run or args.plan_for):  # a dry run simulates a GPU job on any machine
         pick_device(cfg)
     hf_import = cfg.checkpoint.hf_import
-    if hf_import:
-        from engine.checkpoint.hf import register_hf_flavor
-        if cfg.checkpoint.init_from:
-            raise UserError(f"checkpoint.hf_import and checkpoint.init_from both give the starting "
-                            f"weights ({hf_import!r}, {cfg.checkpoint.init_from!r}). Keep one.")
-        cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)  # its config.json's shapes
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
     if not (args.dry_run or args.plan_for):  # a dry run reads no data
@@ -257,20 +264,17 @@ def plan_layouts(args: argparse.Namespace) -> int:
     from engine.dryrun.report import render_plan, render_outcome, write_plan_json
     from engine.dryrun.search import plan_for, search_mesh
     from engine.metrics.throughput import flops_per_token
-    from engine.plugins import load_plugins
     from models import build_on_meta
 
     if args.world is None or args.mesh is not None:
         raise UserError("--plan-for chooses the mesh itself: give the number of GPUs with --world N, "
                         "and no --mesh.")
     searched = load_config(args.config, args.overrides)
-    import parallel  # noqa: F401  (registers the built-in plans)
-    load_plugins(searched.model.plugin)  # the search builds the user's model under their plan
-    plan_depth(searched)
+    register_model_sources(searched)  # the search builds the user's model under their plan
+    depth = plan_depth(searched)
     # The launcher's checks, on the mesh of the search that asks least of the batch.
     args.mesh = str(search_mesh(searched, args.world))
     cfg, _ = check(args, args.world)
-    depth = plan_depth(cfg)
     fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor), cfg.training.seq_len)
     print(render_plan(cfg, args.world, depth, None), flush=True)
     outcomes = plan_for(cfg, args.world, depth, fpt, lambda o: print(render_outcome(o), flush=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import shutil
 
 import pytest
@@ -319,3 +320,20 @@ def test_command_line_imports_and_exports(written, tmp_path):
     assert all(torch.equal(exported[k], original[k]) for k in original)
     assert read_hf_config(out) == read_hf_config(written)
     assert not out.with_name("export.partial").exists() and (out / SINGLE).is_file()
+
+
+def test_plan_for_an_imported_checkpoint_searches_its_shapes(written, tmp_path):
+    """--plan-for plans the imported model, not the config's own flavor: TINY's 2 key/value
+    heads allow tp=2 at most, where the debug flavor's 4 allow tp=4; its best command trains."""
+    report = tmp_path / "plan.json"
+    result = launcher("--plan-for", "--world", "4", "--set", f"checkpoint.hf_import={written}",
+                      "--set", "data.source=synthetic", "--set", "training.global_batch=8",
+                      "--set", "training.seq_len=64", "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"extrapolated to {TINY.n_layers}" in result.stdout, result.stdout
+    meshes = {layout["mesh"] for layout in json.loads(report.read_text())["layouts"]}
+    assert "dp=2,tp=2" in meshes and not any("tp=4" in mesh for mesh in meshes), meshes
+    best = next(line for line in result.stdout.splitlines() if line.strip().startswith("python launch/run.py"))
+    trained = launcher(*shlex.split(best.strip())[2:], "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "done: 1 steps" in trained.stdout
