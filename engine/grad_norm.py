@@ -20,13 +20,15 @@ from torch.distributed.tensor import DTensor
 
 
 def _splitting_groups(grad: torch.Tensor) -> tuple:
-    """The process groups over which this gradient's shards must be combined.
+    """The process groups over which this gradient's shards must be combined, and the device
+    type their collectives take (a CUDA mesh's, also for shards offloaded to the CPU).
     Replicated dimensions already hold the whole value and are left out."""
     if not isinstance(grad, DTensor):
         return ()
     # Not is_shard(): FSDP over TP uses _StridedShard, which does not count as a Shard.
-    return tuple(grad.device_mesh.get_group(dim)
-                 for dim, placement in enumerate(grad.placements) if not placement.is_replicate())
+    groups = tuple(grad.device_mesh.get_group(dim)
+                   for dim, placement in enumerate(grad.placements) if not placement.is_replicate())
+    return (grad.device_mesh.device_type, *groups) if groups else ()
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -43,12 +45,15 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) 
     inf = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = torch.tensor(0.0)
-    for groups, grads in by_groups.items():  # insertion order: the same on every rank
+    for key, grads in by_groups.items():  # insertion order: the same on every rank
         norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
         # Partial results: the max for the inf-norm, else the sum of |g|^p.
         partial = norms.max() if inf else norms.pow(norm_type).sum()
-        for group in groups:
-            dist.all_reduce(partial, op=op, group=group)
+        if key:
+            device_type, *groups = key
+            partial = partial.to(device_type)
+            for group in groups:
+                dist.all_reduce(partial, op=op, group=group)
         partial = partial.cpu()
         total = torch.maximum(total, partial) if inf else total + partial
     return total if inf else total.pow(1.0 / norm_type)

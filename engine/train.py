@@ -6,8 +6,10 @@ parity tests compare the engine with itself minus the parallelism.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -33,9 +35,12 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):
     if optim_cfg.name == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
     else:
+        # On CUDA one fused kernel updates every parameter (the default there takes several
+        # passes over each optimizer tensor); elsewhere torch's default implementation.
+        on_cuda = all(p.device.type == "cuda" for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr,
                                       betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
-                                      weight_decay=optim_cfg.weight_decay)
+                                      weight_decay=optim_cfg.weight_decay, fused=True if on_cuda else None)
     warmup, floor = optim_cfg.warmup_steps, optim_cfg.min_lr_ratio
 
     def lr_factor(step: int) -> float:
@@ -51,6 +56,20 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over this rank's tokens. Every data rank holds the same number of
     tokens and FSDP averages gradients over data ranks, so this is the global-batch mean."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@functools.cache
+def compiled_loss_fn():
+    return torch.compile(loss_fn)
+
+
+def loss_for(options) -> Callable:
+    """The loss the loop takes. With parallel.compile it is compiled too: eager, the fp32
+    copy of the logits and their log-softmax are two more vocabulary-wide tensors, each as
+    large as the logits in fp32, written and read again in backward (an H100 spent 11 ms of
+    a 180 ms step of the 1B flavor on them, docs/benchmarks.md). Vocabulary-sharded logits
+    (loss_parallel) stay eager: their loss is DTensor code under loss_parallel()."""
+    return compiled_loss_fn() if options.compile and not options.loss_parallel else loss_fn
 
 
 def global_mean(value: torch.Tensor, group) -> float:
@@ -75,7 +94,7 @@ class StepResult:
     eval_s: float = 0.0
 
 
-def forward_backward(model, inputs, targets, micro_batches: int = 1) -> torch.Tensor:
+def forward_backward(model, inputs, targets, micro_batches: int = 1, loss: Callable = loss_fn) -> torch.Tensor:
     """Accumulate the gradient of this rank's mean loss over `micro_batches` equal slices.
     Each slice's mean is divided by their count, so the sum is the mean over all rows and
     the gradient is that of one big batch. FSDP reduce-scatters only after the last slice.
@@ -88,20 +107,20 @@ def forward_backward(model, inputs, targets, micro_batches: int = 1) -> torch.Te
         logits = model(x)
         sharded = isinstance(logits, DTensor)
         with loss_parallel() if sharded else nullcontext():
-            loss = loss_fn(logits, y) / micro_batches
-            loss.backward()
-        total += (loss.full_tensor() if sharded else loss).detach()
+            part = loss(logits, y) / micro_batches
+            part.backward()
+        total += (part.full_tensor() if sharded else part).detach()
     return total
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
                data_group=None, micro_batches: int = 1, inspect_grads=None,
-               after_backward=None) -> StepResult:
+               after_backward=None, loss: Callable = loss_fn) -> StepResult:
     """`inspect_grads(model)`, when given, sees the gradients before clipping (parity checks);
     `after_backward()` runs as soon as the backward has been issued (metrics)."""
     lr = scheduler.get_last_lr()[0]
     started = time.perf_counter()
-    local_loss = forward_backward(model, inputs, targets, micro_batches)
+    local_loss = forward_backward(model, inputs, targets, micro_batches, loss)
     if after_backward is not None:
         after_backward()
     # The mean is taken before the update so that every rank sees the same value and
@@ -132,7 +151,8 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     inputs, targets = inputs.to(device), targets.to(device)
     data_s = time.perf_counter() - started
     result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
-                        dims.data.get_group(), t.micro_batches, after_backward=after_backward)
+                        dims.data.get_group(), t.micro_batches, after_backward=after_backward,
+                        loss=loss_for(cfg.parallel))
     result.data_s = data_s
     return result
 

@@ -22,6 +22,18 @@ def pick_device(cfg) -> tuple[str, str]:
     return device, backend
 
 
+def cuda_index(local_rank: int) -> int:
+    """This rank's GPU: one per local rank (launch/run.py checks the count before it starts
+    ranks; this catches a user's own torchrun)."""
+    import torch
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(f"local rank {local_rank} has no GPU of its own: this node shows {count} CUDA device(s), "
+                        f"and the engine runs one rank per GPU. Start at most {count} ranks per node "
+                        f"(--nproc_per_node {count}).")
+    return local_rank
+
+
 def start_process_group(cfg, spec):
     """The process group and mesh for this rank; returns (ParallelDims, torch.device)."""
     import torch
@@ -31,7 +43,7 @@ def start_process_group(cfg, spec):
 
     device_type, backend = pick_device(cfg)
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(cuda_index(int(os.environ.get("LOCAL_RANK", "0"))))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
@@ -50,7 +62,7 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_we
 
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
     applied = apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, prefetch)
-    materialise(model, device, cfg.training.seed)
+    materialise(model, device, cfg.training.seed, parameter_device="cpu" if cfg.parallel.offload else None)
     if cfg.checkpoint.hf_import and import_weights:
         from engine.checkpoint.hf import load_hf
         load_hf(model, cfg.checkpoint.hf_import)  # a collective: each rank reads its own slices

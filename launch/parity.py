@@ -29,7 +29,7 @@ from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
 from engine.parity.report import format_report
 from engine.parity.reference import Reference
-from engine.train import build_optimizer, evaluate, train_step
+from engine.train import build_optimizer, evaluate, loss_for, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 
 WORST = 10
@@ -98,7 +98,8 @@ class ParityRun:
                     *self.global_batch(step, reference_device(reference)), inspect_grads=keep)
             result = train_step(model, optimizer, scheduler, *self.batch(step), cfg.optim.max_norm,
                                 self.dims.data.get_group(), cfg.training.micro_batches,
-                                inspect_grads=self.compare_step0_gradients if step == 0 else None)
+                                inspect_grads=self.compare_step0_gradients if step == 0 else None,
+                                loss=loss_for(cfg.parallel))
             if step == 0:
                 layout_hook.remove()
             row["loss"], row["grad_norm"] = result.loss, result.grad_norm
@@ -165,8 +166,11 @@ class ParityRun:
                                         "limit": limit, "worst": worst[:WORST]}
             self.checks.append(check_row("step-0 gradients", worst[0][1], limit, worst[0][0]))
 
+    @torch.no_grad()
     def compare_weights(self, model, reference, what: str, initial: bool = False, lrs=()) -> None:
-        named = [(name, p.detach()) for name, p in model.named_parameters()]
+        # Not detach(): on CUDA with parallel.offload it fails on the CPU-held shard of a
+        # DTensor ("Attempted to set the storage ... on device cpu", torch 2.11).
+        named = list(model.named_parameters())
         expected = dict(reference.model.named_parameters()) if reference is not None else {}
         worst = (0.0, "")
         for name, weight in named:

@@ -116,7 +116,7 @@ def check(args: argparse.Namespace, world_size: int | None):
     register_model_sources(cfg)
     plan = get_plan(cfg.parallel.plan)
     if not (args.dry_run or args.plan_for):  # a dry run simulates a GPU job on any machine
-        pick_device(cfg)
+        check_gpu_count(cfg, spec.world_size)
     hf_import = cfg.checkpoint.hf_import
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
@@ -156,6 +156,17 @@ def check(args: argparse.Namespace, world_size: int | None):
     elif not (args.dry_run or args.plan_for):
         find_checkpoint(cfg)
     return cfg, spec
+
+
+def check_gpu_count(cfg, ranks_here: int) -> None:
+    """One rank per GPU: a launch of more local ranks than GPUs stops here."""
+    if pick_device(cfg)[0] != "cuda" or under_torchrun():
+        return
+    import torch
+    if ranks_here > torch.cuda.device_count():
+        raise UserError(f"--mesh {cfg.parallel.mesh} needs {ranks_here} ranks and the engine runs one rank per GPU, "
+                        f"but this machine shows {torch.cuda.device_count()} CUDA device(s). Use a mesh of at most "
+                        f"{torch.cuda.device_count()} ranks here, or start it on several nodes (docs/multinode.md).")
 
 
 def check_parity(cfg) -> None:

@@ -92,12 +92,14 @@ def rope_tables(args: LlamaArgs, device=None) -> tuple[torch.Tensor, torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head; x is (b, s, h, d)."""
+    """Rotate pairs (first half, second half) of each head; x is (b, s, h, d).
+
+    In x's dtype, as Hugging Face's Llama does: a bf16 run keeps no fp32 copies of q and k
+    for the backward, and an fp32 run gets the same bits as an fp32 rotation."""
     seq = x.shape[1]
-    cos, sin = cos[:seq, None, :], sin[:seq, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.type_as(x)
+    cos, sin = cos[:seq, None, :].to(x.dtype), sin[:seq, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -107,8 +109,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        # F.rms_norm accumulates in fp32 and rounds the normed value to x's dtype before the
+        # weight multiplies it, as Hugging Face's LlamaRMSNorm does (bitwise the same in
+        # fp32); on CUDA it is one fused kernel that saves x and one fp32 value per row.
+        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
 class Attention(nn.Module):
@@ -126,9 +130,9 @@ class Attention(nn.Module):
                    for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-        # Each kv head serves n_rep consecutive query heads; a TP slice keeps that ratio.
-        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Each kv head serves n_rep consecutive query heads (a TP slice keeps that ratio).
+        # enable_gqa reads them in place, where repeating k and v would save n_rep copies.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 

@@ -114,8 +114,16 @@ def _reset_each_module(model: nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def materialise(model: torch.nn.Module, device: torch.device | str, seed: int) -> None:
-    model.to_empty(device=device)
+def materialise(model: torch.nn.Module, device: torch.device | str, seed: int,
+                parameter_device: torch.device | str | None = None) -> None:
+    """`parameter_device` (default `device`) holds the parameters; buffers go to `device`.
+    FSDP's CPU offload wants its sharded parameters on the CPU, while the buffers (RoPE
+    tables, say) are read by the forward on the GPU."""
+    model.to_empty(device=parameter_device or device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != torch.device(device):
+                module._buffers[name] = buffer.to(device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # moving plain tensors off meta replaces them, which unties them
     if callable(getattr(model, "init_distribution", None)):

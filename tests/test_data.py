@@ -61,7 +61,7 @@ def test_corpus_holdout_splits_the_bytes():
 
 def test_synthetic_eval_is_another_stream_of_the_same_walk():
     train, evaluation = SyntheticSource(256, 4), SyntheticSource(256, 4, split="eval")
-    assert torch.equal(train.successor, evaluation.successor)
+    assert train.successor == evaluation.successor
     assert not torch.equal(train.sample(0, 0, 32), evaluation.sample(0, 0, 32))
     assert torch.equal(evaluation.sample(3, 1, 32), SyntheticSource(256, 4, split="eval").sample(3, 1, 32))
 

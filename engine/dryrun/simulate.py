@@ -125,7 +125,8 @@ def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0) -> Observat
         return observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
 
 
-def simulate(cfg, spec, world_size: int) -> DryRunResult:
+def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
+    """One step of `spec` on `world_size` ranks; `n_layers` > 0 builds that many blocks."""
     from engine.metrics.throughput import flops_per_token
     from engine.train import build_optimizer
 
@@ -138,7 +139,7 @@ def simulate(cfg, spec, world_size: int) -> DryRunResult:
     fake_mode = torch_internals.fake_tensor_mode()
     corners = corner_ranks(spec)
     for rank in corners:
-        model, dims = _rank_model(cfg, spec, world_size, rank)
+        model, dims = _rank_model(cfg, spec, world_size, rank, n_layers)
         with fake_mode:
             model.to_empty(device="cpu")
             if hasattr(model, "tie_weights"):

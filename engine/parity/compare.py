@@ -71,8 +71,16 @@ def tolerance_for(param_dtype: str, optimizer: str) -> Tolerance:
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a collective for DTensors: every rank must call it in the same order)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """The whole tensor (a collective for DTensors: every rank must call it in the same order).
+    Shards offloaded to the CPU (parallel.offload) on a CUDA mesh are gathered on the GPU:
+    NCCL takes no CPU tensors."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh, local = tensor.device_mesh, tensor.to_local()
+    if local.device.type != mesh.device_type:
+        tensor = DTensor.from_local(local.to(mesh.device_type), mesh, tensor.placements, shape=tensor.shape,
+                                    stride=tensor.stride())
+    return tensor.full_tensor()
 
 
 def max_abs_diff(ours: torch.Tensor, reference: torch.Tensor) -> float:
