@@ -29,7 +29,7 @@ from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
 from engine.parity.report import format_report
 from engine.parity.reference import Reference
-from engine.train import build_optimizer, evaluate, loss_for, train_step
+from engine.train import build_optimizer, evaluate, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 
 WORST = 10
@@ -68,9 +68,7 @@ class ParityRun:
 
     # -- batches -------------------------------------------------------------------------
     def batch(self, step: int):
-        t = self.cfg.training
-        inputs, targets = local_batch(self.source, step, t.global_batch, t.seq_len,
-                                      self.dims.data_rank, self.dims.data_size)
+        inputs, targets = rank_batch(self.source, step, self.cfg.training, self.dims)
         return inputs.to(self.device), targets.to(self.device)
 
     def global_batch(self, step: int, device):

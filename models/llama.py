@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.attention import CausalAttention
 from models.initial_values import Constant, Normal
 
 
@@ -119,20 +120,19 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = (rearrange(proj(x), "b s (h d) -> b s h d", d=self.head_dim)
                    for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-        # Each kv head serves n_rep consecutive query heads (a TP slice keeps that ratio).
-        # enable_gqa reads them in place, where repeating k and v would save n_rep copies.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        # Each kv head serves n_heads / n_kv_heads consecutive query heads (a TP slice keeps that ratio).
+        out = self.core(q, k, v)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -179,10 +179,15 @@ class Llama(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: each token's position in its sequence, when the tokens are not the
+        whole sequence (context parallelism holds two chunks of it); None means 0, 1, ..."""
         h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         return self.output(self.norm(h))
 
     def reset_buffers(self) -> None:
