@@ -6,6 +6,7 @@ all heads on one device or a tensor-parallel slice of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,8 +41,8 @@ class LlamaArgs:
 
 
 # Public Llama 3 shapes. The 3.1/3.2 releases also scale rope (LlamaArgs.rope_scaling);
-# these flavors leave it off, while a Hugging Face import (checkpoint.hf_import) takes it
-# from the checkpoint's config.json.
+# these flavors leave it off (the -128K ones below have it), while a Hugging Face import
+# (checkpoint.hf_import) takes it from the checkpoint's config.json.
 FLAVORS = {
     "debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
                        vocab_size=256, max_seq_len=512),
@@ -59,6 +60,18 @@ FLAVORS = {
     "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
 }
+
+
+# Llama 3.1's long-context models: the same parameters, 131,072 positions and its rope
+# scaling (factor 8, low and high frequency factors 1 and 4, from 8,192 positions), as in
+# their config.json. Checkpoints of 8B and 70B hold the same tensors, so they load here
+# (checkpoint.init_from) for long-context training. 8B-1M stretches the same scaling to
+# 1,048,576 positions (factor 128): a shape to plan million-token runs with
+# (docs/planning.md), not a published model.
+LLAMA_3_1_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
+FLAVORS["8B-128K"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
+FLAVORS["70B-128K"] = dataclasses.replace(FLAVORS["70B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
+FLAVORS["8B-1M"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=1048576, rope_scaling=(128.0, 1.0, 4.0, 8192))
 
 
 def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:

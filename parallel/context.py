@@ -44,8 +44,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Query rows per attention call on devices without a lower-right causal kernel: the
-# shared mask holds MASK_ROWS x S booleans (32 MiB at S = 131,072).
-MASK_ROWS = 256
+# shared mask holds MASK_ROWS x S booleans (64 MiB at S = 131,072).
+MASK_ROWS = 512
 
 
 def chunk_pair(rank: int, size: int) -> tuple[int, int]:

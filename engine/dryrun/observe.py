@@ -66,9 +66,9 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     create_optimizer_state(model, optimizer)
     t = cfg.training
-    rows = t.global_batch // dims.data_size
-    inputs = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
-    targets = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
+    rows, length = t.global_batch // dims.data_size, t.seq_len // dims.cp_size  # cp: this rank's two chunks
+    inputs = torch.zeros(rows, length, dtype=torch.long, device=device)
+    targets = torch.zeros(rows, length, dtype=torch.long, device=device)
     table = record.CommTable()
     grads = {}
     tracker = torch_internals.memory_tracker(model, optimizer)
