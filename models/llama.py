@@ -72,6 +72,8 @@ LLAMA_3_1_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
 FLAVORS["8B-128K"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
 FLAVORS["70B-128K"] = dataclasses.replace(FLAVORS["70B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
 FLAVORS["8B-1M"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=1048576, rope_scaling=(128.0, 1.0, 4.0, 8192))
+# The debug model with room for long sequences: context parallelism's runs on a CPU.
+FLAVORS["debug-32K"] = dataclasses.replace(FLAVORS["debug"], max_seq_len=32768)
 
 
 def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,22 @@ def gather_sequence(local: torch.Tensor, group, size: int) -> torch.Tensor:
     return in_order.flatten(0, 1).movedim(0, 2)
 
 
+_SHAPES_ONLY = [False]  # set by shapes_only()
+
+
+@contextmanager
+def shapes_only():
+    """For the dry run, whose fake tensors carry shapes and no values: attention takes the
+    GPU's form, one call per chunk and no mask, so that its memory and time are a GPU's.
+    A top-left causal call of the same shapes stands in for the lower-right one, which the
+    CPU kernels (the dry run's) cannot run without building the mask."""
+    _SHAPES_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY[0] = False
+
+
 @dataclass
 class ContextState:
     """What the attention cores of one model share: the cp group and this rank's place
@@ -112,7 +129,7 @@ class ContextState:
 
     def prepare(self, local_length: int, device: torch.device) -> None:
         """Before each forward of the model: the mask for sequences of this length."""
-        if device.type == "cuda":
+        if device.type == "cuda" or _SHAPES_ONLY[0]:
             return
         length = local_length * self.size
         self.mask = torch.ones(MASK_ROWS, length, dtype=torch.bool, device=device).tril(length - MASK_ROWS)
@@ -124,8 +141,8 @@ def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, s
     gqa = q.shape[1] != k.shape[1]
     rows = q.shape[2]
     if state.mask is None:  # CUDA: flash and memory-efficient kernels take this bias as is
-        return F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(rows, end),
-                                              enable_gqa=gqa)
+        causal = {"is_causal": True} if _SHAPES_ONLY[0] else {"attn_mask": causal_lower_right(rows, end)}
+        return F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], enable_gqa=gqa, **causal)
     length = state.mask.shape[1]
     outs = []
     for first in range(0, rows, MASK_ROWS):

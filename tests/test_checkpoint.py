@@ -143,6 +143,39 @@ def test_reshard_from_eight_ranks(eight_rank_source, tmp_path, mesh, data_change
     assert abs(ours - expected) <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def context_parallel_source(tmp_path_factory):
+    """Context parallel at 2 (each rank holds half of every sequence), 3 steps, a checkpoint at step 2."""
+    source = tmp_path_factory.mktemp("cp-source")
+    saved = launcher("--mesh", "cp=2", "--set", "training.steps=3", "--set", "checkpoint.every=2",
+                     "--set", f"run.dir={source}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    return source
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["cp=4", "dp=2"])
+def test_reshard_between_context_parallel_degrees(context_parallel_source, tmp_path, mesh):
+    """A cp=2 checkpoint loaded at cp=4 and without cp: parameters are sharded over dp x cp,
+    so DCP maps them like any other shard; the first loss after loading equals the
+    source's own loss at that step within 1e-5."""
+    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(context_parallel_source, 2)),
+                      "--set", "training.steps=3", "--set", f"run.dir={tmp_path}")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    ours, expected = losses(tmp_path)[0], losses(context_parallel_source)[2]
+    print(f"cp=2 -> {mesh}: first loss after loading {ours!r}, reference {expected!r}, "
+          f"diff {abs(ours - expected):.2e}")
+    assert abs(ours - expected) <= 1e-5
+
+
+def test_long_context_flavors_load_the_short_flavors_checkpoints():
+    """8B-128K and 70B-128K hold the same tensors as 8B and 70B (only positions and rope
+    scaling differ), so the short flavors' checkpoints and exports load into them."""
+    from engine.checkpoint.store import state_dict_shapes
+    for short, long in (("8B", "8B-128K"), ("70B", "70B-128K"), ("8B", "8B-1M")):
+        assert state_dict_shapes(build_on_meta("llama", short)) == state_dict_shapes(build_on_meta("llama", long))
+
+
 def test_export_loads_into_plain_model(reference, tmp_path):
     exported = torch.load(reference / "final.pt", weights_only=True)
     from_dcp = full_checkpoint(checkpoint(reference, STEPS), tmp_path)["model"]

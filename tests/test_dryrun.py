@@ -32,6 +32,8 @@ LAYOUTS = [
     ("dp=2,tp=2", [BATCH, "parallel.activation_checkpoint=op", "parallel.param_dtype=bfloat16"]),
     ("dp=2,tp=2", [BATCH, "training.micro_batches=2", "parallel.reshard_after_forward=2"]),
     ("dp=4", [BATCH, "model.flavor=debug_tied", "parallel.activation_checkpoint=full"]),
+    ("dp=2,cp=2", [BATCH]),
+    ("cp=2,tp=2", [BATCH, "parallel.sequence_parallel=true", "parallel.activation_checkpoint=full"]),
 ]
 PEAK_TOLERANCE = 0.10
 
@@ -54,7 +56,7 @@ def test_dry_run_matches_a_real_run(observations, index):
     measured, predicted = observations[0][index], observations[1][index]
     # Roles are named by ranks of the first hsdp replica; the others hold the same shards.
     replica = parse_mesh(predicted["mesh"]).resolve(WORLD)
-    replica_size = replica.dp * replica.tp
+    replica_size = replica.world_size // replica.hsdp
     role_of = {rank: role for role in predicted["roles"] for rank in role["ranks"]}
     assert {0, replica_size - 1} <= set(role_of)
     for rank, real in measured.items():
