@@ -249,7 +249,8 @@ class ParityRun:
         reference = build_reference(cfg, self.device)
         dims = self.dims
         tp_size = dims.spec.tp
-        where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size)
+        where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size,
+                          dims.cp_rank, dims.cp_size)
         found = localize(model, reference, *self.batch(0), *self.global_batch(0, reference_device(reference)),
                          where, self.tolerance, self.device)
         found["compile"] = "off for the rerun" if self.cfg.parallel.compile else "off"

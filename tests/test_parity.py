@@ -92,3 +92,15 @@ def test_planted_bug_fails_and_the_localizer_names_the_module(reports):
     assert first["what"] == "parameter gradient"
     # Every forward output and input gradient agreed; only the norms' weight gradients differ.
     assert {f["module"].split(".", 2)[-1] for f in report["localizer"]["differing"]} == {"attention_norm"}
+
+
+@pytest.mark.distributed
+def test_planted_context_parallel_bug_is_localized(reports):
+    """A model that drops the positions context parallel passes it: each cp rank's chunks
+    get the positions of a sequence's start. The localizer compares each rank's chunks
+    with the reference's and names the position embedding."""
+    report, code = reports("cp=2", "model.plugin=tests.planted_cp_bug", "model.name=gpt2_position_blind",
+                           "parallel.plan=gpt2")
+    assert (code, report["verdict"]) == (1, "FAIL")
+    first = report["localizer"]["first"]
+    assert (first["module"], first["what"]) == ("wpe", "output"), report["localizer"]
