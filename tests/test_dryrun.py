@@ -224,6 +224,19 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     assert "done: 1 steps" in trained.stdout
 
 
+def test_plan_for_searches_context_parallel_for_long_sequences(tmp_path):
+    """At 16,384 tokens, cp=2 leaves each rank 8,192 (engine/dryrun/search.py: CP_MIN_TOKENS),
+    cp=4 would leave 4,096: the search offers the first and not the second, and ranks the
+    cp layouts with the others."""
+    report = tmp_path / "plan.json"
+    result = launcher("--plan-for", "--world", "4", "--set", "model.flavor=debug-32K", "--set", "training.seq_len=16384",
+                      "--set", "training.global_batch=2", "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    meshes = [layout["mesh"] for layout in json.loads(report.read_text())["layouts"]]
+    assert any("cp=2" in mesh for mesh in meshes) and not any("cp=4" in mesh for mesh in meshes), meshes
+    assert any("cp=" not in mesh for mesh in meshes), meshes
+
+
 GPT2 = ["--set", "model.plugin=examples.gpt2_plan", "--set", "model.name=gpt2", "--set", "model.flavor=debug",
         "--set", "parallel.plan=gpt2"]
 
