@@ -185,7 +185,7 @@ def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
     if dims.tp_enabled:
         applied.tp_styles = apply_tensor_parallel(model, plan, dims, options)
     if dims.cp_enabled:
-        applied.attention = apply_context_parallel(model, plan, dims)
+        applied.attention = apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype))
     if options.activation_checkpoint != "none":
         applied.checkpointed = apply_activation_checkpoint(applied.blocks, model, options)
     if options.compile:
