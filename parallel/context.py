@@ -92,11 +92,19 @@ class _GatherSequence(torch.autograd.Function):
         return local, None
 
 
+# Left out of torch.compile, a graph break in each attention: traced into a compiled block,
+# torch 2.11 computed the keys' and values' gradients wrong (wv's step-0 gradient off by
+# 1.2e-2 at cp=2, parity FAIL); 2.13 was right either way.
+@torch.compiler.disable
+def _gather(local: torch.Tensor, group) -> torch.Tensor:
+    return _GatherSequence.apply(local, group)
+
+
 def gather_sequence(local: torch.Tensor, group, size: int) -> torch.Tensor:
     """The whole sequence of `local` (batch, heads, 2c, head_dim) from every cp rank's
     chunk pair, in position order: (batch, heads, 2 c size, head_dim)."""
     chunk = local.shape[2] // 2
-    gathered = _GatherSequence.apply(local.movedim(2, 0), group)  # rank by rank: chunks r, 2 size - 1 - r
+    gathered = _gather(local.movedim(2, 0), group)  # rank by rank: chunks r, 2 size - 1 - r
     pieces = gathered.unflatten(0, (2 * size, chunk))
     order = [2 * index if index < size else 2 * (2 * size - 1 - index) + 1 for index in range(2 * size)]
     in_order = pieces.index_select(0, torch.tensor(order, device=local.device))
