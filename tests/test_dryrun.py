@@ -165,8 +165,10 @@ def test_dry_run_of_every_combination_row(combination_reports, index):
     result, report = combination_reports[index]
     assert result.returncode == 0 and report is not None, result.stderr[-3000:]
     assert report["rank0"]["peak_bytes"] > report["rank0"]["param_bytes"] > 0
-    assert report["comm"]["dp"]["forward"]["all_gather"]["count"] > 0
+    fsdp = "dp_cp" if row["context_parallel"] else "dp"  # FSDP shards over dp x cp
+    assert report["comm"][fsdp]["forward"]["all_gather"]["count"] > 0
     assert ("tp" in report["comm"]) == ("tp" in report["mesh"])
+    assert ("cp" in report["comm"]) == row["context_parallel"]
     assert any("compile" in note for note in report["notes"]) == row["compile"]
     assert any("offload" in note for note in report["notes"]) == row["offload"]
     assert report["step"]["step_s"] > 0
