@@ -42,7 +42,8 @@ from engine.errors import UserError
 from parallel.mesh import MeshSpec, ParallelDims
 from parallel.plan import Plan, expand
 
-# torch 2.13 renamed these (the old names warn); 2.11 and 2.12 have only the old ones.
+# torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (they warn) for
+# these names, which 2.11 does not have.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
