@@ -27,6 +27,7 @@ from engine.grad_norm import clip_grad_norm
 from engine.metrics.memory import LargestOverRanks
 from engine.metrics.log import RunShape, StepLog
 from engine.metrics.throughput import device_peak_flops, flops_per_token
+from parallel.context import split_sequence
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):
@@ -139,6 +140,14 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
                       optimizer_s=time.perf_counter() - computed, skipped=skipped)
 
 
+def rank_batch(source, step: int, training, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of global batch `step`: its data rank's rows and, with cp > 1, its
+    two chunks of each row (parallel/context.py)."""
+    inputs, targets = local_batch(source, step, training.global_batch, training.seq_len, dims.data_rank,
+                                  dims.data_size)
+    return split_sequence(inputs, dims.cp_rank, dims.cp_size), split_sequence(targets, dims.cp_rank, dims.cp_size)
+
+
 def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
              unshard=None, after_backward=None) -> StepResult:
     """One optimizer step of the loop: this rank's rows of batch `step`, then train_step.
@@ -147,7 +156,7 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     if unshard is not None:
         unshard()
     t = cfg.training
-    inputs, targets = local_batch(source, step, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+    inputs, targets = rank_batch(source, step, t, dims)
     inputs, targets = inputs.to(device), targets.to(device)
     data_s = time.perf_counter() - started
     result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
@@ -158,7 +167,8 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
 
 
 # The data-parallel view of a single process: rank 0 of 1, no group (see parallel/mesh.py).
-ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, data=SimpleNamespace(get_group=lambda: None))
+ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, cp_rank=0, cp_size=1,
+                             data=SimpleNamespace(get_group=lambda: None))
 
 
 @torch.no_grad()
@@ -168,7 +178,7 @@ def evaluate(model, source, cfg, dims, device) -> float:
     t = cfg.training
     total = 0.0
     for batch in range(cfg.eval.steps):
-        inputs, targets = local_batch(source, batch, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+        inputs, targets = rank_batch(source, batch, t, dims)
         local = torch.zeros((), device=device)
         for x, y in zip(inputs.to(device).chunk(t.micro_batches), targets.to(device).chunk(t.micro_batches)):
             logits = model(x)

@@ -27,4 +27,7 @@ register_plan(Plan(
         "blocks.*.attn.c_attn": lambda model: 3 * model.args.head_dim,
         "blocks.*.attn.c_proj": lambda model: model.args.head_dim,
     },
+    # The attention core (q, k, v -> causal attention): with cp > 1 the engine attends across
+    # the cp ranks in its place, and passes the model its tokens' positions.
+    attention="blocks.*.attn.core",
 ))

@@ -29,7 +29,7 @@ from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
 from engine.parity.report import format_report
 from engine.parity.reference import Reference
-from engine.train import build_optimizer, evaluate, loss_for, train_step
+from engine.train import build_optimizer, evaluate, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 
 WORST = 10
@@ -68,9 +68,7 @@ class ParityRun:
 
     # -- batches -------------------------------------------------------------------------
     def batch(self, step: int):
-        t = self.cfg.training
-        inputs, targets = local_batch(self.source, step, t.global_batch, t.seq_len,
-                                      self.dims.data_rank, self.dims.data_size)
+        inputs, targets = rank_batch(self.source, step, self.cfg.training, self.dims)
         return inputs.to(self.device), targets.to(self.device)
 
     def global_batch(self, step: int, device):
@@ -251,7 +249,8 @@ class ParityRun:
         reference = build_reference(cfg, self.device)
         dims = self.dims
         tp_size = dims.spec.tp
-        where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size)
+        where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size,
+                          dims.cp_rank, dims.cp_size)
         found = localize(model, reference, *self.batch(0), *self.global_batch(0, reference_device(reference)),
                          where, self.tolerance, self.device)
         found["compile"] = "off for the rerun" if self.cfg.parallel.compile else "off"

@@ -109,6 +109,7 @@ def check(args: argparse.Namespace, world_size: int | None):
     from models import build_on_meta
     from models.contract import check_model_contract, max_seq_len, vocab_size
     from parallel.apply import tensor_parallel_styles
+    from parallel.context import check_context_parallel
     from parallel.fsdp_internals import check_supported
     from parallel.plan import get_plan
     from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
@@ -142,6 +143,7 @@ def check(args: argparse.Namespace, world_size: int | None):
     if spec.tp > 1 and cfg.parallel.sequence_parallel and cfg.training.seq_len % spec.tp:
         raise UserError(f"training.seq_len={cfg.training.seq_len} does not split over tp={spec.tp} "
                         f"with parallel.sequence_parallel=true. Use a multiple of {spec.tp}.")
+    check_context_parallel(model, plan, spec, cfg.training.seq_len, cfg.parallel.sequence_parallel)
     micro = cfg.training.micro_batches
     if cfg.training.global_batch % (data_size * micro):
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not split into "

@@ -8,7 +8,9 @@
 6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
 AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
-the recomputed and compiled regions.
+the recomputed and compiled regions. With cp > 1 the plan's attention cores are made
+to attend across the cp ranks right after step 1 (parallel/context.py), so AC and
+compile wrap that attention as they wrap the rest of the block.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from engine.config import ParallelConfig
+from parallel.context import apply_context_parallel
 from parallel.mesh import ParallelDims
 from parallel.plan import Plan, expand
 from parallel.prefetch import apply_prefetch, prefetch_order
@@ -169,6 +172,7 @@ class AppliedPlan:
     blocks: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
     compiled: list[str] = field(default_factory=list)
+    attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
     block_reshard: bool | int = True
 
 
@@ -180,6 +184,8 @@ def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
     blocks = [model.get_submodule(path) for path in applied.blocks]
     if dims.tp_enabled:
         applied.tp_styles = apply_tensor_parallel(model, plan, dims, options)
+    if dims.cp_enabled:
+        applied.attention = apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype))
     if options.activation_checkpoint != "none":
         applied.checkpointed = apply_activation_checkpoint(applied.blocks, model, options)
     if options.compile:

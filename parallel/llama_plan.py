@@ -41,4 +41,6 @@ LLAMA = register_plan(Plan(
     output="output",
     # q, k, v and wo must split into whole heads: kv heads bound the TP degree.
     shard_units={"layers.*.attention.w?": lambda model: model.args.head_dim},
+    # Context parallelism attends across ranks in place of this module.
+    attention="layers.*.attention.core",
 ))

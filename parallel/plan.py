@@ -38,6 +38,10 @@ class Plan:
     # Block paths in forward execution order, for models that do not run their blocks in
     # module order; None means module order. Used by explicit prefetch (parallel/prefetch.py).
     prefetch_order: tuple[str, ...] | None = None
+    # Path glob of the attention cores: modules called as core(q, k, v) on (batch, heads,
+    # seq, head_dim) tensors that return causal softmax attention. With cp > 1 the engine
+    # attends across the cp ranks in their place (parallel/context.py); None refuses cp > 1.
+    attention: str | None = None
 
 
 PLANS: dict[str, Plan] = {}

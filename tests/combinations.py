@@ -17,6 +17,7 @@ from itertools import combinations
 
 FACTORS: dict[str, tuple] = {
     "mesh": ("dp", "hsdp", "dp-tp", "hsdp-dp-tp"),
+    "context_parallel": (False, True),
     "sequence_parallel": (False, True),
     "loss_parallel": (False, True),
     "activation_checkpoint": ("none", "full", "selective", "op"),
@@ -38,6 +39,14 @@ MESHES = {
     "hsdp": ("hsdp=2,dp=2", "hsdp=2,dp=4"),
     "dp-tp": ("dp=2,tp=2", "dp=4,tp=2"),
     "hsdp-dp-tp": ("hsdp=2,dp=2,tp=2", "hsdp=2,dp=4,tp=2"),
+}
+# With context parallel, the same ranks with cp=2 taken out of dp (the FSDP shard group,
+# dp x cp, keeps its size).
+CP_MESHES = {
+    "dp": ("dp=2,cp=2", "dp=2,cp=2"),
+    "hsdp": ("hsdp=2,cp=2", "hsdp=2,dp=2,cp=2"),
+    "dp-tp": ("cp=2,tp=2", "dp=2,cp=2,tp=2"),
+    "hsdp-dp-tp": ("hsdp=2,cp=2,tp=2", "hsdp=2,dp=2,cp=2,tp=2"),
 }
 LAYERS, STEPS = 2, 3
 
@@ -90,7 +99,7 @@ def generate(candidates: int = 40) -> list[dict]:
 
 
 def mesh_of(row: dict) -> str:
-    return MESHES[row["mesh"]][row["reshard_after_forward"] == "2"]
+    return (CP_MESHES if row["context_parallel"] else MESHES)[row["mesh"]][row["reshard_after_forward"] == "2"]
 
 
 def overrides(row: dict) -> tuple[str, ...]:

@@ -116,31 +116,64 @@ def test_reshard_first_loss_matches(reference, tmp_path, mesh):
     assert abs(first["loss"] - expected) <= 1e-5
 
 
-@pytest.fixture(scope="module")
-def eight_rank_source(tmp_path_factory):
-    """The issue's source layout: dp=4,tp=2 on 8 ranks, 3 steps, a checkpoint at step 2."""
+def three_step_source(tmp_path_factory, mesh: str) -> Path:
+    """A run of 3 steps on `mesh` with a checkpoint at step 2."""
     source = tmp_path_factory.mktemp("source")
-    saved = launcher("--mesh", "dp=4,tp=2", "--set", "training.steps=3", "--set", "checkpoint.every=2",
+    saved = launcher("--mesh", mesh, "--set", "training.steps=3", "--set", "checkpoint.every=2",
                      "--set", f"run.dir={source}")
     assert saved.returncode == 0, saved.stderr[-3000:]
     return source
+
+
+def load_step_2(source: Path, source_mesh: str, mesh: str, run_dir: Path) -> str:
+    """Resume `source`'s step-2 checkpoint on `mesh`: the first loss after loading must equal
+    the source's own loss at that step within 1e-5. Returns the run's output."""
+    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(source, 2)), "--set", "training.steps=3",
+                      "--set", f"run.dir={run_dir}")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    ours, expected = losses(run_dir)[0], losses(source)[2]
+    print(f"{source_mesh} -> {mesh}: first loss after loading {ours!r}, reference {expected!r}, "
+          f"diff {abs(ours - expected):.2e}")
+    assert abs(ours - expected) <= 1e-5
+    return loaded.stdout
+
+
+@pytest.fixture(scope="module")
+def eight_rank_source(tmp_path_factory):
+    """The issue's source layout: dp=4,tp=2 on 8 ranks."""
+    return three_step_source(tmp_path_factory, "dp=4,tp=2")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mesh,data_change", [("dp=2,tp=4", "4 -> 2"), ("dp=8", "4 -> 8"),
                                               ("hsdp=2,dp=2,tp=2", None), ("dp=1", "4 -> 1")])
 def test_reshard_from_eight_ranks(eight_rank_source, tmp_path, mesh, data_change):
-    """dp=4,tp=2 loaded at each of the issue's four targets: the first loss after loading
-    equals the source's own loss at that step within 1e-5."""
-    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(eight_rank_source, 2)),
-                      "--set", "training.steps=3", "--set", f"run.dir={tmp_path}")
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    """dp=4,tp=2 loaded at each of the issue's four targets."""
+    output = load_step_2(eight_rank_source, "dp=4,tp=2", mesh, tmp_path)
     if data_change:
-        assert f"data-parallel size {data_change}" in loaded.stdout
-    ours, expected = losses(tmp_path)[0], losses(eight_rank_source)[2]
-    print(f"dp=4,tp=2 -> {mesh}: first loss after loading {ours!r}, reference {expected!r}, "
-          f"diff {abs(ours - expected):.2e}")
-    assert abs(ours - expected) <= 1e-5
+        assert f"data-parallel size {data_change}" in output
+
+
+@pytest.fixture(scope="module")
+def context_parallel_source(tmp_path_factory):
+    """Context parallel at 2: each rank holds half of every sequence."""
+    return three_step_source(tmp_path_factory, "cp=2")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["cp=4", "dp=2"])
+def test_reshard_between_context_parallel_degrees(context_parallel_source, tmp_path, mesh):
+    """A cp=2 checkpoint loaded at cp=4 and without cp: parameters are sharded over dp x cp,
+    so DCP maps them like any other shard."""
+    load_step_2(context_parallel_source, "cp=2", mesh, tmp_path)
+
+
+def test_long_context_flavors_load_the_short_flavors_checkpoints():
+    """8B-128K and 70B-128K hold the same tensors as 8B and 70B (only positions and rope
+    scaling differ), so the short flavors' checkpoints and exports load into them."""
+    from engine.checkpoint.store import state_dict_shapes
+    for short, long in (("8B", "8B-128K"), ("70B", "70B-128K"), ("8B", "8B-1M")):
+        assert state_dict_shapes(build_on_meta("llama", short)) == state_dict_shapes(build_on_meta("llama", long))
 
 
 def test_export_loads_into_plain_model(reference, tmp_path):

@@ -45,6 +45,7 @@ EXPECTED = {
     "bench/dryrun_validation.py": ["(equal)"],
     "--plan-for --world 64": ["searched", "python launch/run.py --set model.flavor=8B"],
     "bench/init_time.py": ["| 8 | 12,585,312 |"],
+    "bench/context_memory.py": ["| cp=4 | 4 | 8,192 | 2,048 |"],
 }
 
 

@@ -3,6 +3,7 @@ train_step, with the collectives counted and the tensor memory tracked (record.p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from engine.dryrun import record, torch_internals
 from engine.train import build_optimizer, train_step
+from parallel.context import shapes_only
 
 # FSDPMemTracker's categories, folded into the report's.
 MEMORY_PARTS = {
@@ -66,9 +68,9 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     create_optimizer_state(model, optimizer)
     t = cfg.training
-    rows = t.global_batch // dims.data_size
-    inputs = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
-    targets = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
+    rows, length = t.global_batch // dims.data_size, t.seq_len // dims.cp_size  # cp: this rank's two chunks
+    inputs = torch.zeros(rows, length, dtype=torch.long, device=device)
+    targets = torch.zeros(rows, length, dtype=torch.long, device=device)
     table = record.CommTable()
     grads = {}
     tracker = torch_internals.memory_tracker(model, optimizer)
@@ -78,7 +80,8 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     # A global hook, because it must run before FSDP's own pre-forward hook on the root.
     clear_module_stats = register_module_forward_pre_hook(
         lambda module, _: tracker.reset_mod_stats() if module is model else None)
-    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase:
+    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, \
+            (shapes_only() if fake else nullcontext()):
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),
