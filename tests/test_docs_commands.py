@@ -70,8 +70,8 @@ def test_left_out_blocks_say_why():
     left_out = [(doc, commands, reason) for doc, _, commands, reason in blocks() if reason is not None]
     for doc, commands, reason in left_out:
         assert len(reason) > len(LEFT_OUT) + 10, (doc, commands)
-    # A handful: the suite's own commands, figures, several hosts, GPUs (docs/benchmarks.md).
-    assert len(left_out) <= 8, left_out
+    # A handful: the suite's own commands, figures and searches of minutes, several hosts, GPUs.
+    assert len(left_out) <= 10, left_out
     assert len(RUN) >= 10
 
 
