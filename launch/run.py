@@ -180,9 +180,10 @@ def check_parity(cfg) -> None:
                         "trajectory with --set parity.check_against=FILE, or keep the reference.")
 
 
-def find_checkpoint(cfg) -> Path | None:
-    """The checkpoint folder to resume from, or None. Every way a checkpoint or an
-    init_from file can be wrong surfaces here, before any process group exists."""
+def find_checkpoint(cfg):
+    """The checkpoint to resume from (engine/checkpoint/store.py: Resume), or None. Every
+    way a checkpoint or an init_from file can be wrong that shows without reading its data
+    surfaces here, before any process group exists."""
     from engine.checkpoint.store import resume_folder, state_dict_shapes
     from engine.config import to_dict
     from models import build_on_meta
@@ -207,7 +208,7 @@ def launch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) ->
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     import torch.distributed as dist
 
-    from engine.checkpoint.dcp import Checkpointer
+    from engine.checkpoint.dcp import Checkpointer, agreed
     from engine.data.sources import build_source
     from models.contract import vocab_size
     from engine.metrics.log import StepLog
@@ -218,7 +219,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
 
     dims, device = start_process_group(cfg, spec)
     plan = get_plan(cfg.parallel.plan)
-    resume_from = find_checkpoint(cfg)
+    resume_from = agreed(lambda: find_checkpoint(cfg))  # every rank resumes from rank 0's choice
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
                   every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,
                   append=resume_from is not None)
