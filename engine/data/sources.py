@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.data.sampling import Mixture, derive_key, mix64, parse_weights, permute
-from engine.data.token_file import INDEX, TokenFile, read_index
+from engine.data.token_file import INDEX, TokenFile, id_outside, read_index
 from engine.errors import UserError
 
 BYTE_VOCAB = 256
@@ -208,6 +208,8 @@ class TokenSource:
         self.files = [TokenFile(folder, what) for folder, _, _ in self.parts]
         self.mixture = Mixture(parse_weights(weights, len(folders)))
         self.vocab_size = max(f.vocab_size for f in self.files)
+        self.model_vocab = model_vocab
+        self.what = what
         self.seed = seed
         self.global_batch = global_batch
         self.seq_len = seq_len
@@ -228,7 +230,14 @@ class TokenSource:
             raise ValueError(f"this token source was built for windows of {self.seq_len + 1} tokens "
                              f"(training.seq_len={self.seq_len}), not {length}")
         folder, window = self.locate(step, index)
-        return torch.from_numpy(self.files[folder].window(window * self.seq_len, length))
+        start = window * self.seq_len
+        ids = self.files[folder].window(start, length)
+        # tokens.bin is written by another program: an id past the embedding would fail
+        # every rank's forward (a device-side assert on CUDA).
+        if self.model_vocab is not None and ids.max() >= self.model_vocab:
+            offset = int(np.argmax(ids >= self.model_vocab))
+            raise id_outside(self.files[folder].folder, start + offset, int(ids[offset]), self.model_vocab, self.what)
+        return torch.from_numpy(ids)
 
 
 def _no_eval_data(cfg) -> UserError:
