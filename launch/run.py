@@ -89,7 +89,18 @@ def register_model_sources(cfg) -> None:
 
 
 def check(args: argparse.Namespace, world_size: int | None):
-    """Everything that can be checked without a process group. Returns (config, mesh)."""
+    """Everything that can be checked without a process group. Returns (config, mesh).
+    Every path it reads was given by the user, so a path the system will not take (too
+    long, unreadable, a device that fails to read) is bad input too."""
+    try:
+        return checked_config(args, world_size)
+    except OSError as err:
+        where = f" {str(err.filename)[:200]!r}" if err.filename else ""
+        raise UserError(f"cannot use the path{where} ({err.strerror or err}). Check the paths in the config "
+                        f"and on the command line.") from None
+
+
+def checked_config(args: argparse.Namespace, world_size: int | None):
     cfg = load_config(args.config, args.overrides)
     if args.mesh is not None:
         cfg.parallel.mesh = args.mesh
@@ -102,6 +113,8 @@ def check(args: argparse.Namespace, world_size: int | None):
         if world_size is None:
             raise UserError(f"--mesh {spec} has a -1 dimension, so the number of processes is not "
                             f"known. Pass --nproc N, or give every size.")
+    elif world_size < 1:
+        raise UserError(f"--nproc {world_size}: give the number of processes to start, at least 1.")
     spec = spec.resolve(world_size)
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (REPO / data_path).exists():

@@ -180,7 +180,7 @@ def test_check_data_names_the_folder_and_the_fix(tmp_path):
         (["data.path=" + str(tmp_path / "wide")], ["wide", "vocabulary 512", "vocabulary of 256"]),
         (["data.path=" + str(tmp_path / "small")], ["small", "5 tokens", "training.seq_len + 1 = 9"]),
         ([f"data.path={tmp_path / 'small'},{tmp_path / 'small'}", "data.weights=1,2,3"], ["one weight per folder"]),
-        (["data.path=" + str(tmp_path / "small"), "data.holdout=1.0"], ["data.holdout=1.0", "[0, 1)"]),
+        (["data.path=" + str(tmp_path / "small"), "data.holdout=1.0"], ["data.holdout", "in [0, 1)", "got 1.0"]),
         (["data.path=" + str(tmp_path / "ok"), "data.holdout=0.95"], ["leaves no training window", "ok"]),
         (["data.path=" + str(tmp_path / "ok"), "eval.every=2"], ["eval.path is empty"]),
         (["data.path=" + str(tmp_path / "ok"), f"eval.path={tmp_path / 'wide'}"], ["eval.path folder", "512"]),
@@ -189,7 +189,7 @@ def test_check_data_names_the_folder_and_the_fix(tmp_path):
     ]
     for overrides, fragments in cases:
         with pytest.raises(UserError) as err:
-            check_data(config(*overrides), 256)
+            check_data(config(*overrides), 256)  # a data.holdout outside [0, 1) stops in config() already
         for fragment in fragments:
             assert fragment in str(err.value), (overrides, str(err.value))
     check_data(config(f"data.path={tmp_path / 'ok'}", "data.holdout=0.1", "eval.every=2"), 256)

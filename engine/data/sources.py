@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.data.sampling import Mixture, derive_key, mix64, parse_weights, permute
+from engine.data.sampling import MASK64, Mixture, derive_key, mix64, parse_weights, permute
 from engine.data.token_file import INDEX, TokenFile, id_outside, read_index
 from engine.errors import UserError
 
@@ -44,7 +44,7 @@ def _sample_generator(seed: int, step: int, index: int, stream: int = 0) -> torc
     value = (seed * 1_000_003 + step) * 1_000_033 + index
     if stream:  # scrambled: torch's CPU generator keeps only a seed's low 32 bits
         value = mix64(value ^ stream)
-    return torch.Generator().manual_seed(value)
+    return torch.Generator().manual_seed(value & MASK64)  # large seeds wrap; small ones keep their value
 
 
 def held_out(count: int, holdout: float) -> int:
@@ -277,9 +277,6 @@ def check_data(cfg, model_vocab: int) -> None:
     vocabularies, mixture weights, sizes, holdout. Reads index.json files and stats the
     rest; maps nothing."""
     d, t = cfg.data, cfg.training
-    if not 0 <= d.holdout < 1:
-        raise UserError(f"data.holdout={d.holdout} is outside [0, 1). It is the fraction of the data kept "
-                        f"out of training for evaluation, e.g. 0.05.")
     if d.weights.strip() and d.source != "tokens":
         raise UserError(f"data.weights={d.weights!r} mixes prepared token folders, but data.source is "
                         f"{d.source}. Use --set data.source=tokens with several folders in data.path, or "
