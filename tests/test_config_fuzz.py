@@ -76,14 +76,14 @@ def accepts_or_refuses(args: list[str]) -> None:
         assert message and "\n\n" not in message and "Traceback" not in message, message
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(KEYS), value=VALUES, mode=MODES)
 def test_every_key_takes_a_hostile_value_or_refuses_it(run_dir, key, value, mode):
     assume(key != "model.plugin" or not_an_importable_module(value))
     accepts_or_refuses(["--mesh", "dp=1", *mode, "--set", f"run.dir={run_dir}", "--set", f"{key}={value}"])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mesh=MESHES, mode=MODES, nproc=st.sampled_from([[], ["--nproc", "2"], ["--nproc", "0"], ["--nproc", "-3"]]))
 def test_every_mesh_string_is_taken_or_refused(run_dir, mesh, mode, nproc):
     accepts_or_refuses(["--mesh", mesh, *mode, *([] if mode else nproc), "--set", f"run.dir={run_dir}"])

@@ -45,6 +45,7 @@ EXPECTED = {
     "bench/dryrun_validation.py": ["(equal)"],
     "--plan-for --world 64": ["searched", "python launch/run.py --set model.flavor=8B"],
     "bench/init_time.py": ["| 8 | 12,585,312 |"],
+    "prepare.py --check": ["every id inside the --vocab-size vocabulary of 256"],
 }
 
 

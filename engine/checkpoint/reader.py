@@ -84,7 +84,7 @@ if not _STORAGE_FIELDS <= {f.name for f in dataclasses.fields(_StorageInfo)}:
 
 
 class Refused(pickle.UnpicklingError):
-    pass
+    """Something in a checkpoint that the reader will not load; the message says what."""
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -228,16 +228,21 @@ class _Planner(DefaultLoadPlanner):
         super().load_bytes(read_item, trusted)
 
 
-def root_cause(err: BaseException) -> str:
-    """The first failing rank's exception of a DCP CheckpointException (the same on every
-    rank: DCP gathers the failures), with its type when its message is empty."""
+def _first_failure(err: BaseException) -> tuple[int | None, BaseException]:
+    """The lowest failing rank of a DCP CheckpointException and its exception (the same on
+    every rank: DCP gathers the failures), or (None, err) for any other exception."""
     failures = getattr(err, "failures", None)
     if not failures:
-        return _cause(err)
-    rank, cause = min(failures.items())
-    if isinstance(cause, tuple):  # DCP keeps (exception, traceback frames) per rank
-        cause = cause[0]
-    return f"rank {rank}: {str(cause) if isinstance(cause, UserError) else _cause(cause)}"
+        return None, err
+    rank = min(failures)
+    cause = failures[rank]
+    return rank, cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, traceback frames)
+
+
+def root_cause(err: BaseException) -> str:
+    rank, cause = _first_failure(err)
+    text = str(cause) if isinstance(cause, UserError) else _cause(cause)
+    return text if rank is None else f"rank {rank}: {text}"
 
 
 def load(state: dict, folder: str | Path, group) -> None:
@@ -246,9 +251,7 @@ def load(state: dict, folder: str | Path, group) -> None:
     try:
         dcp.load(state, storage_reader=_Reader(str(folder)), planner=_Planner(), process_group=group)
     except CheckpointException as err:
-        failures = getattr(err, "failures", {}) or {}
-        first = failures[min(failures)] if failures else None
-        first = first[0] if isinstance(first, tuple) else first
-        if isinstance(first, Unreadable):
-            raise Unreadable(first.cause, first.hint) from None
+        _, cause = _first_failure(err)
+        if isinstance(cause, Unreadable):
+            raise Unreadable(cause.cause, cause.hint) from None
         raise Unreadable(f"checkpoint {str(folder)!r} cannot be read: {root_cause(err).rstrip('. ')}") from None
