@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from engine.data.sources import TokenSource, local_batch
 from engine.data.token_file import OutOfVocabulary
-from engine.errors import NonFiniteLoss
+from engine.errors import NonFiniteLoss, raise_if_any_rank
 from engine.grad_norm import clip_grad_norm
 from engine.metrics.memory import LargestOverRanks
 from engine.metrics.log import RunShape, StepLog
@@ -158,12 +158,7 @@ def agree_on_ids(read, source, group):
         batch = read()
     except OutOfVocabulary as err:
         problem = str(err)
-    found = torch.tensor([problem is not None], dtype=torch.int32)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-    if found.item():
-        problems = [None] * dist.get_world_size(group)
-        dist.all_gather_object(problems, problem, group=group)
-        raise OutOfVocabulary(next(p for p in problems if p is not None))
+    raise_if_any_rank(problem, group, OutOfVocabulary)
     return batch
 
 

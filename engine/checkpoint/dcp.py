@@ -25,7 +25,7 @@ from engine.checkpoint import reader, store
 from engine.checkpoint.export import export_full, import_full
 from engine.checkpoint.reader import Unreadable, root_cause
 from engine.config import to_dict
-from engine.errors import UserError
+from engine.errors import UserError, raise_if_any_rank
 
 
 def _rng_state() -> tuple[bytes, bytes]:
@@ -117,13 +117,17 @@ class Checkpointer:
         rng_owner = self.rank if same_world else 0
         state = self._state(0, rng_owner)
         reader.load(state, folder, self.group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"][f"rank{rng_owner}"])
-        step = state["train"]["step"]
-        if step != meta["step"]:
-            raise Unreadable(f"checkpoint {str(folder)!r} cannot be read: its data is at step {step} and its "
-                             f"{store.META} at step {meta['step']}")
+        step, problem = state["train"]["step"], None
+        try:  # values of the right types can still be wrong (an RNG state of another size), and each
+            # rank applies its own: the ranks agree on whether all of them could
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"][f"rank{rng_owner}"])
+            if step != meta["step"]:
+                raise ValueError(f"its data is at step {step} and its {store.META} at step {meta['step']}")
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as err:
+            problem = f"checkpoint {str(folder)!r} cannot be read: rank {self.rank}: {type(err).__name__}: {err}"
+        raise_if_any_rank(problem, self.group, Unreadable)
         saved_data, data = meta["data_size"], self.dims.data_size
         carried = ("same data-parallel size" if saved_data == data else
                    f"data-parallel size {saved_data} -> {data}: each data rank builds its own rows of "

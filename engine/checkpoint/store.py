@@ -115,7 +115,8 @@ def _meta_fields_ok(meta) -> bool:
     if not (isinstance(meta, dict) and all(isinstance(meta.get(k), t) for k, t in _META_FIELDS.items())):
         return False
     model = meta["config"].get("model")
-    return (all(isinstance(section, dict) for section in meta["config"].values()) and isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("name", "flavor"))
+    return (meta["step"] >= 0 and meta["world_size"] >= 1 and meta["data_size"] >= 1
+            and all(isinstance(section, dict) for section in meta["config"].values()) and isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("name", "flavor"))
             and all(isinstance(shape, list) for shape in meta["state_dict"].values()))
 
 
