@@ -270,9 +270,7 @@ def set_aside(root: Path, skipped: list[tuple[str, str]], resumed: Path) -> list
             target = folder.with_name(f"{folder.name}{UNREADABLE}-{number}")
         os.replace(folder, target)
         kept.append(target.name)
-    pointer = root / (LATEST + ".tmp")
-    _write_durably(pointer, resumed.name)
-    os.replace(pointer, root / LATEST)
+    _point_latest(root, resumed.name)
     return kept
 
 
@@ -281,6 +279,12 @@ def _write_durably(path: Path, text: str) -> None:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _point_latest(root: Path, name: str) -> None:
+    pointer = root / (LATEST + ".tmp")
+    _write_durably(pointer, name)
+    os.replace(pointer, root / LATEST)
 
 
 def partial_folder(root: Path, step: int) -> Path:
@@ -295,9 +299,7 @@ def commit(partial: Path, meta: dict, keep: int) -> Path:
     if final.exists():  # the same step saved again after a restart: the new one replaces it
         shutil.rmtree(final)
     os.replace(partial, final)
-    pointer = final.parent / (LATEST + ".tmp")
-    _write_durably(pointer, final.name)
-    os.replace(pointer, final.parent / LATEST)
+    _point_latest(final.parent, final.name)
     prune(final.parent, keep)
     return final
 
