@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 from engine.parity import trajectory
 from engine.parity.compare import (check_row, count_replicated, digest, full, max_abs_diff, relative_diff,
                             replication_mismatches, tolerance_for)
-from engine.data.sources import build_source, local_batch
+from engine.data.sources import TokenSource, build_source, local_batch
 from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
 from engine.parity.report import format_report
 from engine.parity.reference import Reference
-from engine.train import build_optimizer, evaluate, loss_for, rank_batch, train_step
+from engine.train import agree_on_ids, build_optimizer, evaluate, host_group, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 
 WORST = 10
@@ -60,6 +60,7 @@ class ParityRun:
         self.tolerance = tolerance_for(cfg.parallel.param_dtype, cfg.optim.name)
         self.golden = trajectory.read(cfg.parity.check_against, cfg) if cfg.parity.check_against else None
         self.source = None
+        self.ids_group = None  # set with the source: the ranks agree on its ids (engine/train.py)
         self.reference_grads: dict[str, torch.Tensor] | None = None
         self.gradient_summaries: dict[str, dict] = {}
         self.largest_grad = 0.0
@@ -87,14 +88,17 @@ class ParityRun:
         layout_hook = self.record_post_forward_layout(model, applied.blocks[0])
 
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+        self.ids_group = host_group() if isinstance(self.source, TokenSource) else None
         rows, lrs = [], []
         for step in range(pc.steps):
             row = {"step": step + 1}
+            whole, batch = agree_on_ids(lambda: (None if reference is None else
+                                                 self.global_batch(step, reference_device(reference)),
+                                                 self.batch(step)), self.source, self.ids_group)
             if reference is not None:
                 keep = self.keep_reference_grads if step == 0 else None
-                row["reference_loss"], row["reference_grad_norm"], _ = reference.step(
-                    *self.global_batch(step, reference_device(reference)), inspect_grads=keep)
-            result = train_step(model, optimizer, scheduler, *self.batch(step), cfg.optim.max_norm,
+                row["reference_loss"], row["reference_grad_norm"], _ = reference.step(*whole, inspect_grads=keep)
+            result = train_step(model, optimizer, scheduler, *batch, cfg.optim.max_norm,
                                 self.dims.data.get_group(), cfg.training.micro_batches,
                                 inspect_grads=self.compare_step0_gradients if step == 0 else None,
                                 loss=loss_for(cfg.parallel))
@@ -187,7 +191,7 @@ class ParityRun:
         """The held-out loss after the last step (eval.every > 0), on the mesh and on one device."""
         cfg = self.cfg
         source = build_source(cfg, vocab_size(model), split="eval")
-        self.report["val_loss"] = evaluate(model, source, cfg, self.dims, self.device)
+        self.report["val_loss"] = evaluate(model, source, cfg, self.dims, self.device, self.ids_group)
         if reference is None:
             return
         self.report["reference_val_loss"] = reference.evaluate(source, cfg, reference_device(reference))
