@@ -292,9 +292,10 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if choices and value not in choices:
         raise UserError(f"config key {dotted} is {value!r}; accepted values: {', '.join(choices)}.")
     allowed = RANGES.get((section_name, key))
-    if allowed is not None and not (allowed.holds(value) and abs(value) <= INT64):
+    too_large = isinstance(value, int) and abs(value) > INT64
+    if allowed is not None and (too_large or not allowed.holds(value)):
         number = "a whole number" if isinstance(value, int) else "a finite number"
-        largest = " and at most 2**63 - 1" if isinstance(value, int) and abs(value) > INT64 else ""
+        largest = " and at most 2**63 - 1" if too_large else ""
         meaning = f" ({allowed.meaning})" if allowed.meaning else ""
         raise UserError(f"config key {dotted} must be {number} {allowed}{largest}{meaning}, but got {value!r}.")
     if isinstance(value, str) and "\x00" in value:
