@@ -40,6 +40,13 @@ class ParallelConfig:
     param_dtype: str = "float32"  # float32 or bfloat16: the dtype of forward and backward
     reduce_dtype: str = "float32"  # the dtype gradients are reduced in
     offload: bool = False  # keep sharded parameters, gradients and optimizer state on the CPU
+    # Pipeline parallel (--mesh pp=N, docs/parallelism.md): the schedule, the stages each rank
+    # holds (2 or more for the looped schedules), and an explicit split: blocks per stage,
+    # comma-separated, one number per stage (empty: an even split that counts the embedding
+    # and the output layer as a block each).
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_split: str = ""
 
 
 @dataclass
@@ -163,13 +170,14 @@ _CHOICES = {
     ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),
     ("parallel", "param_dtype"): ("float32", "bfloat16"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
+    ("parallel", "pp_schedule"): ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     ("checkpoint", "resume"): ("auto", "always", "never"),
     ("optim", "name"): ("adamw", "sgd"),
     ("parity", "reference_device"): ("auto", "cpu"),
 }
 _POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
              ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches"),
-             ("parity", "steps"), ("eval", "steps")}
+             ("parity", "steps"), ("eval", "steps"), ("parallel", "pp_stages_per_rank")}
 _NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead"),
                  ("checkpoint", "every"), ("checkpoint", "keep"), ("parity", "layers"), ("eval", "every")}
 

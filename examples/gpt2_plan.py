@@ -4,10 +4,16 @@ public plan API (parallel.plan) and torch's tensor-parallel styles, no engine ed
 Load it with:  --set model.name=gpt2 --set parallel.plan=gpt2 --set model.plugin=examples.gpt2_plan
 """
 
+import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from parallel.plan import Plan, register_plan
+from parallel.plan import Plan, Stages, register_plan
+
+
+def embed(model, tokens):
+    """The first pipeline stage's computation before the blocks: token and position embeddings."""
+    return model.wte(tokens) + model.wpe(torch.arange(tokens.shape[1], device=tokens.device))
 
 register_plan(Plan(
     name="gpt2",
@@ -27,4 +33,9 @@ register_plan(Plan(
         "blocks.*.attn.c_attn": lambda model: 3 * model.args.head_dim,
         "blocks.*.attn.c_proj": lambda model: model.args.head_dim,
     },
+    # Pipeline stages: the embeddings are added, not run one after the other, so the first
+    # stage's computation is given; the last stage runs ln_f then lm_head, the default. The
+    # output projection shares wte's weight: on different stages, each holds a copy that
+    # the engine keeps equal.
+    stages=Stages(first=("wte", "wpe"), last=("ln_f", "lm_head"), embed=embed),
 ))

@@ -4,7 +4,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
-from parallel.plan import Plan, register_plan
+from parallel.plan import Plan, Stages, register_plan
 
 LLAMA = register_plan(Plan(
     name="llama",
@@ -41,4 +41,8 @@ LLAMA = register_plan(Plan(
     output="output",
     # q, k, v and wo must split into whole heads: kv heads bound the TP degree.
     shard_units={"layers.*.attention.w?": lambda model: model.args.head_dim},
+    # Pipeline stages: the embedding first, the final norm and output last; every block
+    # also reads the RoPE tables, which each stage keeps as buffers.
+    stages=Stages(first=("tok_embeddings",), last=("norm", "output"),
+                  block=lambda model, block, h: block(h, model.rope_cos, model.rope_sin)),
 ))

@@ -1,7 +1,9 @@
 """The `--mesh` text, its validation, and the named DeviceMesh built from it.
 
-The grid has three named dimensions, outermost first:
+The grid has four named dimensions, outermost first:
 
+    pp    pipeline stages, outermost: only activations cross it, point to point,
+          so it is the one dimension that spans nodes cheaply
     hsdp  replica groups (HSDP replicates across them)
     dp    FSDP shard degree inside each replica group
     tp    tensor parallel degree, innermost so its ranks share a node
@@ -16,9 +18,9 @@ from dataclasses import dataclass
 
 from engine.errors import UserError
 
-DIM_ORDER = ("hsdp", "dp", "tp")
+DIM_ORDER = ("pp", "hsdp", "dp", "tp")
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
-_EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh hsdp=2,dp=2,tp=2"
+_EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh pp=2,hsdp=2,dp=2,tp=2"
 
 
 @dataclass(frozen=True)
@@ -28,17 +30,19 @@ class MeshSpec:
     hsdp: int = 1
     dp: int = 1
     tp: int = 1
+    pp: int = 1  # last here so that positional (hsdp, dp, tp) stays valid; outermost in the mesh
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return (self.hsdp, self.dp, self.tp)
+        """In DIM_ORDER, outermost first."""
+        return (self.pp, self.hsdp, self.dp, self.tp)
 
     @property
     def world_size(self) -> int | None:
         """The number of ranks this mesh needs, or None while a -1 is unresolved."""
         if -1 in self.sizes:
             return None
-        return self.hsdp * self.dp * self.tp
+        return self.pp * self.hsdp * self.dp * self.tp
 
     def resolve(self, world_size: int) -> "MeshSpec":
         """Replace a -1 by what is left of `world_size`, and check the product."""
@@ -53,7 +57,8 @@ class MeshSpec:
                     f"dimensions multiply to {known}, which does not divide {world_size}. "
                     f"Choose sizes whose product divides the world size."
                 )
-            return MeshSpec(*(world_size // known if s == -1 else s for s in self.sizes))
+            return MeshSpec(**{name: world_size // known if size == -1 else size
+                                for name, size in zip(DIM_ORDER, self.sizes)})
         if known != world_size:
             raise UserError(
                 f"--mesh {self} needs {known} ranks but the world size is {world_size}. "
@@ -112,9 +117,10 @@ class ParallelDims:
     """The built mesh and the views of it that the rest of the engine uses.
 
     `fsdp` is what fully_shard gets: 1-D (dp) or, with hsdp > 1, 2-D (hsdp, dp).
-    `tp` is the tensor-parallel sub-mesh. `data` is hsdp x dp flattened: ranks
-    with the same coordinate there read the same batch, and loss averages and
-    data sharding use it.
+    `tp` is the tensor-parallel sub-mesh, `pp` the pipeline one. `data` is hsdp x dp
+    flattened: ranks with the same coordinate there read the same batch (every stage
+    of one pipeline reads the same rows), and loss averages and data sharding use it.
+    All of them are this rank's slice: with pp > 1 each stage has its own.
     """
 
     spec: MeshSpec
@@ -123,10 +129,15 @@ class ParallelDims:
     fsdp: "DeviceMesh"  # noqa: F821
     tp: "DeviceMesh"  # noqa: F821
     data: "DeviceMesh"  # noqa: F821
+    pp: "DeviceMesh"  # noqa: F821
 
     @property
     def tp_enabled(self) -> bool:
         return self.spec.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.spec.pp > 1
 
     @property
     def data_rank(self) -> int:
@@ -138,11 +149,11 @@ class ParallelDims:
 
 
 def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
-    """Build the named 3-D DeviceMesh; the process group must already exist."""
+    """Build the named 4-D DeviceMesh; the process group must already exist."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = init_device_mesh(device_type, spec.sizes, mesh_dim_names=DIM_ORDER)
     fsdp = world["hsdp", "dp"] if spec.hsdp > 1 else world["dp"]
     data = world["hsdp", "dp"]._flatten("data")
     return ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
-                        tp=world["tp"], data=data)
+                        tp=world["tp"], data=data, pp=world["pp"])

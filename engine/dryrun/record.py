@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from engine.dryrun import torch_internals
+from parallel.mesh import DIM_ORDER
 
 KINDS = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
@@ -75,7 +76,7 @@ def mesh_groups(dims) -> dict[tuple[int, ...], str]:
     same ranks, and torch reuses cached ones. Where two dimensions have the same ranks
     (dp and data without hsdp), the first named here wins."""
     groups = {}
-    for dim, size in zip(("hsdp", "dp", "tp"), dims.spec.sizes):
+    for dim, size in zip(DIM_ORDER, dims.spec.sizes):
         if size > 1:
             groups.setdefault(torch_internals.group_ranks(dims.world.get_group(dim).group_name), dim)
     groups.setdefault(torch_internals.group_ranks(dims.data.get_group().group_name), "data")
