@@ -106,18 +106,20 @@ def micro_batch_loss(loss: Callable, micro_batches: int) -> Callable:
 
 
 def run_pipeline(model, inputs, targets, micro_batches: int, loss: Callable, backward: bool) -> torch.Tensor:
-    """The pipeline schedule over this rank's rows: forward and backward (or forward only).
-    Returns the sum of the micro-batches' shares, i.e. this rank's mean loss, on the ranks
-    of the last stage, and 0 on the others. Each micro-batch's share is divided before its
-    backward, as in forward_backward, so the schedule scales nothing."""
+    """The pipeline schedule over this rank's rows: forward and backward (or, for an
+    evaluation, the stages' forward alone). Returns the sum of the micro-batches' shares,
+    i.e. this rank's mean loss, on the ranks of the last stage, and 0 on the others. Each
+    micro-batch's share is divided before its backward, as in forward_backward, so the
+    schedule scales nothing."""
     pipeline = pipeline_of(model)
-    schedule = pipeline.schedule(micro_batches, micro_batch_loss(loss, micro_batches), inputs)
-    shares = []
-    first = (inputs,) if pipeline.has_first else ()
+    share_of = micro_batch_loss(loss, micro_batches)
     with loss_parallel() if pipeline.loss_parallel and pipeline.tp > 1 else nullcontext():
-        (schedule.step if backward else schedule.eval)(*first, target=targets, losses=shares)
-    if backward:
-        pipeline.sync_tied_gradients()
+        if not backward:
+            return pipeline.forward_only(inputs, targets, micro_batches, share_of)
+        shares = []
+        schedule = pipeline.schedule(micro_batches, share_of, inputs)
+        schedule.step(*((inputs,) if pipeline.has_first else ()), target=targets, losses=shares)
+    pipeline.sync_tied_gradients()
     total = torch.zeros((), device=inputs.device)
     for share in shares:
         total += (share.full_tensor() if isinstance(share, DTensor) else share).detach()

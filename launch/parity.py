@@ -150,19 +150,13 @@ class ParityRun:
         return {"schedule": pipeline.schedule_name, "stages_per_rank": len(pipeline.parts),
                 "blocks_per_stage": pipeline.stage_blocks}
 
-    def whole_on_rank0(self, named) -> dict[str, torch.Tensor]:
+    def whole_on_rank0(self, named, pipeline) -> dict[str, torch.Tensor]:
         """Each named tensor whole (a gather within the stage, on every rank, in the same
         order), collected on rank 0 from every pipeline stage; empty elsewhere."""
         wholes = {name: full(tensor) for name, tensor in named}
-        pipeline = self.dims.pp_enabled
-        if not pipeline:
+        if pipeline is None:
             return wholes if self.rank0 else {}
-        if self.dims.data_rank != 0 or (self.dims.tp_enabled and self.dims.tp.get_local_rank() != 0):
-            return {}
-        stages = [None] * self.spec.pp if self.rank0 else None
-        dist.gather_object({name: t.detach().cpu() for name, t in wholes.items()}, stages, dst=0,
-                           group=self.dims.pp.get_group())
-        return {name: t for found in stages for name, t in found.items()} if self.rank0 else {}
+        return pipeline.gather_on_rank0({name: t.detach().cpu() for name, t in wholes.items()})
 
     def keep_reference_grads(self, model) -> None:
         # Every name of a shared parameter: a pipeline stage may hold it under either.
@@ -174,7 +168,7 @@ class ParityRun:
         on rank 0; then what must be replicated over tp, on every rank."""
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         diffs, summaries, digests, largest = {}, {}, {}, 0.0
-        for name, whole in self.whole_on_rank0(named).items():
+        for name, whole in self.whole_on_rank0(named, getattr(model, "pipeline", None)).items():
             summaries[name], digests[name] = trajectory.gradient_summary(whole), digest(whole)
             if self.reference_grads is not None:
                 expected = self.reference_grads[name]
@@ -199,7 +193,7 @@ class ParityRun:
         named = list(model.named_parameters())
         expected = dict(reference.model.named_parameters(remove_duplicate=False)) if reference is not None else {}
         worst = (0.0, "")
-        for name, whole in self.whole_on_rank0(named).items():
+        for name, whole in self.whole_on_rank0(named, getattr(model, "pipeline", None)).items():
             if name in expected:
                 worst = max(worst, (max_abs_diff(whole, expected[name]), name))
         if not initial:

@@ -127,6 +127,11 @@ def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches
                         f"their weights up among the sharded parameters), and parallel.reshard_after_forward="
                         f"{options.reshard_after_forward}. Set parallel.reshard_after_forward=false (and "
                         f"root_reshard_after_forward=false), or use 1F1B, GPipe or Interleaved1F1B.")
+    if schedule in ZERO_BUBBLE and options.compile:
+        raise UserError(f"parallel.pp_schedule={schedule} cannot run compiled blocks: its split backward keeps "
+                        f"each block's graph for a second pass, which a compiled backward does not allow (torch "
+                        f"refuses torch.compile with its zero-bubble schedules). Set parallel.compile=false, or "
+                        f"use 1F1B, GPipe or Interleaved1F1B with compile.")
     needed = micro_batches_needed(schedule, pp, per_rank, micro_batches)
     if needed:
         raise UserError(f"training.micro_batches={micro_batches} is not what parallel.pp_schedule={schedule} "
@@ -373,6 +378,47 @@ class Pipeline:
         if self.schedule_name in SINGLE_STAGE:
             return schedule(built[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
         return schedule(built, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
+
+    @torch.no_grad()
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int, loss) -> torch.Tensor:
+        """The loss of each micro-batch, summed, on the ranks holding the last stage (0
+        elsewhere), running the stages one after the other with a blocking message across
+        each boundary between ranks. For evaluation: torch's looped schedules also walk
+        their backward actions in eval() and fail where two neighbouring stages share a
+        rank (ZBVZeroBubble, torch 2.13), and an evaluation has no bubble to fill."""
+        pp_rank, per_stage = dist.get_rank(self.group), dist.get_world_size() // dist.get_world_size(self.group)
+        holder = {stage: rank for rank in range(dist.get_world_size(self.group))
+                  for stage in stages_of_rank(rank, dist.get_world_size(self.group), len(self.parts),
+                                              self.schedule_name)}
+        part_of = dict(zip(self.stage_indices, self.parts))
+        tokens, hidden, _ = self._shapes(inputs.shape[0] // micro_batches, inputs.shape[1], inputs.device)
+        total = torch.zeros((), device=inputs.device)
+        for x, y in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)):
+            for stage in range(self.n_stages):
+                if holder[stage] != pp_rank:
+                    continue
+                if stage > 0 and holder[stage - 1] != pp_rank:
+                    x = torch.empty(hidden.shape, dtype=hidden.dtype, device=inputs.device)
+                    dist.recv(x, src=dist.get_rank() + (holder[stage - 1] - pp_rank) * per_stage, group=self.group)
+                x = part_of[stage](x)
+                if stage == self.n_stages - 1:
+                    share = loss(x, y)
+                    total += share.full_tensor() if hasattr(share, "full_tensor") else share
+                elif holder[stage + 1] != pp_rank:
+                    dist.send(x.contiguous(), dst=dist.get_rank() + (holder[stage + 1] - pp_rank) * per_stage,
+                              group=self.group)
+        return total
+
+    def gather_on_rank0(self, found: dict) -> dict:
+        """Every stage's `found` (a dict the same on all ranks of a stage), merged on rank 0;
+        {} elsewhere. The first rank of each stage (its coordinate 0 on hsdp, dp and tp,
+        which are the members of rank 0's pp group, pp being outermost) sends its own."""
+        per_stage = dist.get_world_size() // dist.get_world_size(self.group)
+        if dist.get_rank() % per_stage:
+            return {}
+        stages = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
+        dist.gather_object(found, stages, dst=0, group=self.group)
+        return {key: value for stage in stages for key, value in stage.items()} if stages else {}
 
     @torch.no_grad()
     def sync_tied_weights(self) -> None:

@@ -17,7 +17,8 @@ from tests.test_parity import MATRIX
 
 DEFAULTS = {"sequence_parallel": False, "loss_parallel": False, "activation_checkpoint": "none",
             "compile": False, "reshard_after_forward": "true", "param_dtype": "float32", "offload": False,
-            "micro_batches": 1, "prefetch_forward": 0, "prefetch_backward": 0, "optimizer": "adamw"}
+            "micro_batches": 1, "prefetch_forward": 0, "prefetch_backward": 0, "optimizer": "adamw",
+            "pipeline": "off", "evaluation": False}
 HEADER = ("| row | mesh | settings (besides the defaults) | verdict | step-0 loss diff | max grad diff | "
           "grad-norm rel diff | max later-loss diff | seconds |\n|---|---|---|---|---|---|---|---|---|")
 

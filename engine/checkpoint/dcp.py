@@ -19,12 +19,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from engine.checkpoint import store
 from engine.config import to_dict
 from engine.errors import UserError
 from engine.checkpoint.export import export_full, import_full
+from parallel.pipeline import sync_tied_weights, whole_model
+
+
+# The optimizer's state and hyperparameters keyed by parameter name, one entry per
+# parameter: under pipeline parallel each stage's ranks hold only their own parameters, and
+# a per-group list of names would be one stage's list in the checkpoint. Keyed by name, any
+# pp loads it.
+OPTIMIZER_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _rng_state() -> tuple[bytes, bytes]:
@@ -69,7 +77,7 @@ class Checkpointer:
 
     def _state(self, step: int, rng_owner: int) -> dict:
         """What a checkpoint holds; loading fills the same structure in place."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=OPTIMIZER_BY_NAME)
         return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
                 "train": {"step": step}, "rng": {f"rank{rng_owner}": _rng_state()}}
 
@@ -93,7 +101,9 @@ class Checkpointer:
         except CheckpointException as err:
             raise UserError(f"checkpoint {str(folder)!r} could not be read ({_root_cause(err)}). "
                             f"It is damaged; resume from an earlier folder with --resume FOLDER.") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=OPTIMIZER_BY_NAME)
+        sync_tied_weights(model)
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"][f"rank{rng_owner}"])
         step = state["train"]["step"]
@@ -125,7 +135,7 @@ class Checkpointer:
         return {"step": step, "mesh": str(self.dims.spec), "world_size": dist.get_world_size(),
                 "data_size": self.dims.data_size, "data_position": {"step": step},
                 "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "torch": torch.__version__, "state_dict": store.state_dict_shapes(self.model),
+                "torch": torch.__version__, "state_dict": store.state_dict_shapes(whole_model(self.model)),
                 "config": to_dict(self.cfg)}
 
     def save(self, step: int) -> None:

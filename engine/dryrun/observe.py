@@ -3,6 +3,7 @@ train_step, with the collectives counted and the tensor memory tracked (record.p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from engine.dryrun import record, torch_internals
 from engine.train import build_optimizer, train_step
+from parallel.pipeline import parts_of
 
 # FSDPMemTracker's categories, folded into the report's.
 MEMORY_PARTS = {
@@ -71,14 +73,16 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     targets = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
     table = record.CommTable()
     grads = {}
-    tracker = torch_internals.memory_tracker(model, optimizer)
+    roots = parts_of(model)  # each pipeline stage's part is an FSDP root of its own
+    tracker = torch_internals.memory_tracker(roots, optimizer)
     tracker.track_inputs((inputs, targets))
     # The tracker refuses a second root forward (a second micro-batch) until its per-module
     # statistics are cleared; the step's peak, which the report reads, is kept apart from them.
     # A global hook, because it must run before FSDP's own pre-forward hook on the root.
     clear_module_stats = register_module_forward_pre_hook(
-        lambda module, _: tracker.reset_mod_stats() if module is model else None)
-    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase:
+        lambda module, _: tracker.reset_mod_stats() if any(module is root for root in roots) else None)
+    warmup = torch_internals.pipeline_warmup_without_messages() if hasattr(model, "pipeline") else nullcontext()
+    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup:
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),
