@@ -104,8 +104,9 @@ def stages_of_rank(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[
 
 def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches: int) -> list[int]:
     """Everything about pipeline parallel that can be refused before any process group:
-    the plan's stages, the schedule against the stages per rank, the micro-batches the
-    schedule needs, the split. Returns the split (blocks per stage)."""
+    the plan's stages, the schedule against the stages per rank, the split, what the
+    zero-bubble schedules cannot run with, the micro-batches the schedule needs. Returns
+    the split (blocks per stage)."""
     schedule, per_rank = options.pp_schedule, options.pp_stages_per_rank
     if plan.stages is None:
         raise UserError(f"plan {plan.name!r} does not say how its model splits into pipeline stages, so pp={pp} "
@@ -121,6 +122,8 @@ def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches
     if schedule not in SINGLE_STAGE and per_rank < 2:
         raise UserError(f"parallel.pp_schedule={schedule} loops over several stages per rank, but parallel."
                         f"pp_stages_per_rank=1. Set it to 2 or more, or use GPipe or 1F1B.")
+    _check_stages_cover_the_model(plan, model)
+    split = blocks_per_stage(len(expand(model, plan.blocks, plan.name)), pp, per_rank, options.pp_split)
     if schedule in ZERO_BUBBLE and (options.reshard_after_forward is not False or options.root_reshard_after_forward):
         raise UserError(f"parallel.pp_schedule={schedule} splits each backward into input and weight gradients, "
                         f"which gives wrong weight gradients for blocks resharded after forward (torch looks "
@@ -132,14 +135,18 @@ def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches
                         f"each block's graph for a second pass, which a compiled backward does not allow (torch "
                         f"refuses torch.compile with its zero-bubble schedules). Set parallel.compile=false, or "
                         f"use 1F1B, GPipe or Interleaved1F1B with compile.")
+    if schedule in ZERO_BUBBLE and options.activation_checkpoint == "op":
+        raise UserError(f"parallel.pp_schedule={schedule} runs a second backward pass over each block (its weight "
+                        f"gradients), which torch's selective activation checkpointing forbids (\"You are only "
+                        f"allowed to backward once on any region computed under selective activation "
+                        f"checkpoint\"), and parallel.activation_checkpoint=op is selective. Use none, full or "
+                        f"selective (whole blocks) with this schedule, or 1F1B, GPipe or Interleaved1F1B with op.")
     needed = micro_batches_needed(schedule, pp, per_rank, micro_batches)
     if needed:
         raise UserError(f"training.micro_batches={micro_batches} is not what parallel.pp_schedule={schedule} "
                         f"runs with pp={pp}: it needs {needed}. Change training.micro_batches (and "
                         f"training.global_batch with it if it must divide), or pick GPipe, which runs any number.")
-    _check_stages_cover_the_model(plan, model)
-    blocks = len(expand(model, plan.blocks, plan.name))
-    return blocks_per_stage(blocks, pp, per_rank, options.pp_split)
+    return split
 
 
 def micro_batches_needed(schedule: str, pp: int, per_rank: int, micro_batches: int) -> str:

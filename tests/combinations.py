@@ -59,8 +59,9 @@ def allowed(row: dict) -> bool:
     Pipeline rows keep to 4 ranks, so they leave out hsdp x dp x tp and an integer reshard
     (which needs dp=4): pp=2,dp=2,tp=2 and pp=2,dp=4 with reshard 2 are parity rows of
     their own in tests/test_pipeline.py. What the engine refuses is left out too: a
-    zero-bubble schedule with a reshard after forward or with compile, and 1F1B with fewer
-    micro-batches than stages (parallel/pipeline.py: check_settings)."""
+    zero-bubble schedule with a reshard after forward, with compile or with op-level
+    activation checkpointing, and 1F1B with fewer micro-batches than stages
+    (parallel/pipeline.py: check_settings)."""
     if "tp" not in row.get("mesh", "tp") and (row.get("sequence_parallel") or row.get("loss_parallel")):
         return False
     more_ranks = row.get("reshard_after_forward") == "2" and row.get("mesh", "dp") != "dp"
@@ -71,7 +72,8 @@ def allowed(row: dict) -> bool:
         return True
     if row.get("mesh") == "hsdp-dp-tp" or row.get("reshard_after_forward") == "2":
         return False
-    if pipeline in ZERO_BUBBLE and (row.get("reshard_after_forward", "false") != "false" or row.get("compile")):
+    if pipeline in ZERO_BUBBLE and (row.get("reshard_after_forward", "false") != "false" or row.get("compile")
+                                    or row.get("activation_checkpoint") == "op"):
         return False
     return not (pipeline == "1F1B" and row.get("micro_batches") == 1)
 

@@ -32,6 +32,12 @@ LAYOUTS = [
     ("dp=2,tp=2", [BATCH, "parallel.activation_checkpoint=op", "parallel.param_dtype=bfloat16"]),
     ("dp=2,tp=2", [BATCH, "training.micro_batches=2", "parallel.reshard_after_forward=2"]),
     ("dp=4", [BATCH, "model.flavor=debug_tied", "parallel.activation_checkpoint=full"]),
+    # Pipeline parallel: every stage role simulated, point-to-point messages counted.
+    ("pp=2,dp=2", [BATCH, "training.micro_batches=2"]),
+    ("pp=4", [BATCH, "training.micro_batches=4"]),
+    ("pp=2,tp=2", [BATCH, "training.micro_batches=2", "parallel.sequence_parallel=true"]),
+    ("pp=2,dp=2", [BATCH, "training.micro_batches=2", "parallel.pp_schedule=Interleaved1F1B",
+                   "parallel.pp_stages_per_rank=2", "parallel.activation_checkpoint=full"]),
 ]
 PEAK_TOLERANCE = 0.10
 
@@ -52,19 +58,26 @@ def observations(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[layout_id(layout) for layout in LAYOUTS])
 def test_dry_run_matches_a_real_run(observations, index):
     measured, predicted = observations[0][index], observations[1][index]
-    # Roles are named by ranks of the first hsdp replica; the others hold the same shards.
-    replica = parse_mesh(predicted["mesh"]).resolve(WORLD)
-    replica_size = replica.dp * replica.tp
+    # Roles are named by ranks of the first hsdp replica of each pipeline stage; the other
+    # replicas hold the same shards.
+    spec = parse_mesh(predicted["mesh"]).resolve(WORLD)
+    stage_size, replica_size = WORLD // spec.pp, spec.dp * spec.tp
     role_of = {rank: role for role in predicted["roles"] for rank in role["ranks"]}
     assert {0, replica_size - 1} <= set(role_of)
     for rank, real in measured.items():
-        role = role_of.get(rank % replica_size)
+        role = role_of.get(rank // stage_size * stage_size + rank % stage_size % replica_size)
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes") if role else ():
             assert role[key] == real[key], (rank, key, role[key], real[key])
+        if spec.pp > 1:  # every rank is in a role, and the role's peak bounds its own
+            assert role is not None and real["peak_bytes"] <= (1 + PEAK_TOLERANCE) * role["peak_bytes"], rank
     assert predicted["comm"] == measured[0]["comm"]
     peak, real_peak = predicted["rank0"]["peak_bytes"], measured[0]["peak_bytes"]
     assert abs(peak - real_peak) <= PEAK_TOLERANCE * real_peak, (peak, real_peak, predicted["rank0"]["at_peak"],
                                                                  measured[0]["at_peak"])
+    for role in (predicted["pipeline"] or {}).get("roles", []):  # each simulated stage role, its own step
+        real = measured[role["pp_rank"] * stage_size]
+        assert role["p2p"] == real["comm"]["pp"]["pipeline"], role["pp_rank"]
+        assert abs(role["peak_bytes"] - real["peak_bytes"]) <= PEAK_TOLERANCE * real["peak_bytes"], role["pp_rank"]
 
 
 
@@ -157,14 +170,21 @@ def _row_indices():
 @pytest.mark.parametrize("index", _row_indices())
 def test_dry_run_of_every_combination_row(combination_reports, index):
     """Every setting the engine has, with every other (tests/combinations.py), simulates."""
-    from tests.combinations import ROWS
+    from tests.combinations import ROWS, ZERO_BUBBLE
 
     row = ROWS[index]
     result, report = combination_reports[index]
+    if row["pipeline"] in ZERO_BUBBLE:  # its split backward defeats torch's memory tracker: refused
+        assert result.returncode == 2 and "cannot simulate" in result.stderr, result.stderr[-3000:]
+        return
     assert result.returncode == 0 and report is not None, result.stderr[-3000:]
     assert report["rank0"]["peak_bytes"] > report["rank0"]["param_bytes"] > 0
-    assert report["comm"]["dp"]["forward"]["all_gather"]["count"] > 0
+    if parse_mesh(report["mesh"]).dp > 1:  # pipeline rows at pp=2,hsdp=2 and pp=2,tp=2 have no dp
+        assert report["comm"]["dp"]["forward"]["all_gather"]["count"] > 0
     assert ("tp" in report["comm"]) == ("tp" in report["mesh"])
+    assert ("pp" in report["comm"]) == (row["pipeline"] != "off")
+    if row["pipeline"] != "off":
+        assert report["pipeline"]["roles"][0]["p2p"]["send"]["count"] > 0
     assert any("compile" in note for note in report["notes"]) == row["compile"]
     assert any("offload" in note for note in report["notes"]) == row["offload"]
     assert report["step"]["step_s"] > 0

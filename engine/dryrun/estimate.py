@@ -175,12 +175,16 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
                         bubble_s=bubble, bubble_fraction=fraction, exposed_p2p_s=exposed_p2p)
 
 
-def stage_flops_per_token(model, whole, cfg) -> float:
-    """The training FLOPs per token of the pipeline stages `model` (a rank's) holds: 6 per
-    weight they multiply by, and their blocks' share of what the whole model's count adds
-    beyond 6 per weight (the attention term)."""
+def stage_flops_per_token(whole, stages, split: list[list[str]], held: list[int], seq_len: int) -> float:
+    """The training FLOPs per token of the pipeline stages `held` (a rank's), of the whole
+    model `whole` (on meta) split into `split` (block paths per stage) by the plan's
+    `stages`: 6 per weight they multiply by, and their blocks' share of what the whole
+    model's count adds beyond 6 per weight (the attention term)."""
     from engine.metrics.throughput import flops_per_token, matmul_weights
-    pipeline = model.pipeline
-    blocks = sum(len(pipeline.stage_blocks[stage]) for stage in pipeline.stage_indices)
-    attention = flops_per_token(whole, cfg.training.seq_len) - 6 * matmul_weights(whole)
-    return 6 * matmul_weights(model) + attention * blocks / sum(map(len, pipeline.stage_blocks))
+    paths = [path for stage in held for path in split[stage]]
+    paths += list(stages.first) if 0 in held else []
+    paths += list(stages.last) if len(split) - 1 in held else []
+    weights = sum(matmul_weights(whole.get_submodule(path)) for path in paths)
+    attention = flops_per_token(whole, seq_len) - 6 * matmul_weights(whole)
+    blocks = sum(len(split[stage]) for stage in held)
+    return 6 * weights + attention * blocks / sum(map(len, split))

@@ -76,11 +76,16 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     roots = parts_of(model)  # each pipeline stage's part is an FSDP root of its own
     tracker = torch_internals.memory_tracker(roots, optimizer)
     tracker.track_inputs((inputs, targets))
-    # The tracker refuses a second root forward (a second micro-batch) until its per-module
-    # statistics are cleared; the step's peak, which the report reads, is kept apart from them.
-    # A global hook, because it must run before FSDP's own pre-forward hook on the root.
-    clear_module_stats = register_module_forward_pre_hook(
-        lambda module, _: tracker.reset_mod_stats() if any(module is root for root in roots) else None)
+    # The tracker refuses a second forward of a root (a second micro-batch) while it holds
+    # statistics of the root's first; the step's peak, which the report reads, is kept apart
+    # from them. Only the root's are dropped: a pipeline's micro-batches overlap, and the
+    # blocks' backward of an earlier one still reads theirs. A global hook, because it must
+    # run before FSDP's own pre-forward hook on the root.
+    def forget_root(module, _):
+        if any(module is root for root in roots):
+            tracker.memory_tracking.pop(module, None)
+
+    clear_module_stats = register_module_forward_pre_hook(forget_root)
     warmup = torch_internals.pipeline_warmup_without_messages() if hasattr(model, "pipeline") else nullcontext()
     with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup:
         tracker.phase_of = lambda: phase.phase

@@ -142,6 +142,8 @@ def _stage_roles(result, cfg, scale: int, unit: str) -> list[str]:
         lines.append(f"  {role.pp_rank:<9}{','.join(map(str, role.stages)):<9}{role.blocks:>7}"
                      f"{role.observed.peak_bytes / scale:>10.3f}{_p2p(kinds, 'send'):>20}{_p2p(kinds, 'recv'):>20}"
                      f"{_time(role.estimate.step_s):>13}")
+    lines.append("  (a role's later pp ranks, listed with it in the memory table, hold the same state and no more "
+                 "micro-batches in flight: its peak bounds theirs)")
     return lines
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.dryrun import torch_internals
+from engine.errors import UserError
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
 from engine.dryrun.observe import Observation, create_optimizer_state, observe_step
 from engine.dryrun.record import optimizer_bytes, param_bytes
@@ -37,7 +38,7 @@ from engine.dryrun.record import optimizer_bytes, param_bytes
 
 @dataclass
 class Role:
-    ranks: list[int]  # the corner ranks that share this role
+    ranks: list[int]  # the corner ranks that share this role (the first was simulated; see pipeline_ranks)
     param_bytes: int
     optimizer_bytes: int
     grad_bytes: int
@@ -104,23 +105,25 @@ def enter_fake_world(world_size: int, rank: int) -> None:
     torch_internals.start_fake_world(world_size, rank)
 
 
-def pipeline_ranks(cfg, spec, n_layers: int = 0) -> list[int]:
-    """The pp ranks to simulate: the first of each distinct role, a role being the block
-    counts of the stages the rank holds and whether they include the first or the last."""
+def pipeline_ranks(cfg, spec, n_layers: int = 0) -> dict[int, list[int]]:
+    """The pp ranks to simulate -> the pp ranks each stands for: the first of each distinct
+    role, a role being the block counts of the stages a rank holds and whether they include
+    the first or the last. The ranks after it in a role hold the same state and no more
+    micro-batches in flight (fewer, under 1F1B), so its peak bounds theirs."""
     from models import build_on_meta
     from parallel.pipeline import blocks_per_stage, stages_of_rank
     from parallel.plan import expand, get_plan
 
     if spec.pp == 1:
-        return [0]
+        return {0: [0]}
     plan, options = get_plan(cfg.parallel.plan), cfg.parallel
     blocks = len(expand(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), plan.blocks, plan.name))
     counts = blocks_per_stage(blocks, spec.pp, options.pp_stages_per_rank, options.pp_split)
-    roles = {}
+    roles: dict[tuple, list[int]] = {}
     for rank in range(spec.pp):
         stages = stages_of_rank(rank, spec.pp, options.pp_stages_per_rank, options.pp_schedule)
-        roles.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in stages), rank)
-    return sorted(roles.values())
+        roles.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in stages), []).append(rank)
+    return {ranks[0]: ranks for ranks in roles.values()}
 
 
 def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
@@ -143,6 +146,20 @@ def to_fake(model) -> None:
         part.to_empty(device="cpu")
         if hasattr(part, "tie_weights"):
             part.tie_weights()
+
+
+def refuse_split_backward(cfg, spec) -> None:
+    """A zero-bubble schedule computes input gradients with autograd.grad, which the memory
+    tracker's hooks on a stage's inputs do not support ("A leaf node was passed to
+    _will_engine_execute_node but we are currently running autograd.grad()")."""
+    from parallel.pipeline import ZERO_BUBBLE
+    schedule = cfg.parallel.pp_schedule
+    if spec.pp > 1 and schedule in ZERO_BUBBLE:
+        raise UserError(f"--dry-run cannot simulate parallel.pp_schedule={schedule}: it splits each backward into "
+                        f"input and weight passes, and torch's memory tracker fails inside the first (autograd.grad "
+                        f"over a stage's received input). Simulate Interleaved1F1B with the same stages for its "
+                        f"memory and messages (a zero-bubble schedule holds more while weight passes wait), or "
+                        f"train it and read the memory in metrics.jsonl.")
 
 
 def eager(cfg):
@@ -172,6 +189,7 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
     from models import build_on_meta
 
     torch_internals.check_supported()
+    refuse_split_backward(cfg, spec)
     started = time.perf_counter()
     cfg, notes = eager(cfg)
     profile = device_profile(cfg.dryrun)
@@ -180,7 +198,7 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
     stage_roles = []
     fake_mode = torch_internals.fake_tensor_mode()
     per_stage = world_size // spec.pp
-    for pp_rank in pipeline_ranks(cfg, spec, n_layers):
+    for pp_rank, alike in pipeline_ranks(cfg, spec, n_layers).items():
         corners = [pp_rank * per_stage + rank for rank in corner_ranks(spec)]
         observed = None
         for rank in corners:
@@ -196,13 +214,15 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
                     create_optimizer_state(model, optimizer)
                     params, optim = param_bytes(model), optimizer_bytes(optimizer)
             key = (pp_rank, params, optim)
+            same = [other * per_stage + rank - pp_rank * per_stage for other in alike]  # in the alike pp ranks
             if key in roles:
-                roles[key].ranks.append(rank)
+                roles[key].ranks += same
             else:
                 extra = params + optim - observed.param_bytes - observed.optimizer_bytes
-                roles[key] = Role([rank], params, optim, observed.grad_bytes, observed.peak_bytes + extra)
+                roles[key] = Role(same, params, optim, observed.grad_bytes, observed.peak_bytes + extra)
             if rank == corners[0] and shards_evenly(model):  # then every corner holds what this rank holds
-                roles[key].ranks = corners
+                roles[key].ranks = sorted(other * per_stage + corner - pp_rank * per_stage
+                                          for other in alike for corner in corners)
                 break
     dist.destroy_process_group()
     slowest = max(stage_roles, key=lambda role: role.estimate.step_s)
@@ -219,7 +239,8 @@ def stage_role(model, pp_rank: int, observed: Observation, whole_fpt: float, cfg
     pipeline = getattr(model, "pipeline", None)
     if pipeline is None:
         return StageRole(0, [0], 0, observed, whole_fpt, estimate_step(observed.comm, whole_fpt, cfg, spec, profile))
-    fpt = stage_flops_per_token(model, whole_model(model), cfg)
+    fpt = stage_flops_per_token(whole_model(model), pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices,
+                                cfg.training.seq_len)
     blocks = sum(len(pipeline.stage_blocks[s]) for s in pipeline.stage_indices)
     return StageRole(pp_rank, list(pipeline.stage_indices), blocks, observed, fpt,
                      estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt))
