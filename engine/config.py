@@ -144,6 +144,7 @@ class DryRunConfig:
     report: str = ""  # also write the report as JSON to this path
     gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
     top: int = 5  # --plan-for: how many of the best layouts to print as command lines
+    pp: str = "1,2,4,8,16"  # --plan-for: the pipeline sizes to search, comma-separated ("1": no pipeline)
 
 
 @dataclass

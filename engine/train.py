@@ -118,7 +118,9 @@ def run_pipeline(model, inputs, targets, micro_batches: int, loss: Callable, bac
             return pipeline.forward_only(inputs, targets, micro_batches, share_of)
         shares = []
         schedule = pipeline.schedule(micro_batches, share_of, inputs)
-        schedule.step(*((inputs,) if pipeline.has_first else ()), target=targets, losses=shares)
+        # return_outputs=False: the last stage would keep every micro-batch's logits to the
+        # end of the step (at 405B, 2 GiB each) to hand back a result nothing reads.
+        schedule.step(*((inputs,) if pipeline.has_first else ()), target=targets, losses=shares, return_outputs=False)
     pipeline.sync_tied_gradients()
     total = torch.zeros((), device=inputs.device)
     for share in shares:

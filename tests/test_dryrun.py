@@ -196,6 +196,10 @@ EXTRAPOLATED = [  # the 100M flavor (12 blocks), 8 ranks of the fake process gro
                    "parallel.activation_checkpoint=selective"]),
     ("hsdp=2,dp=4", ["model.flavor=100M", "training.seq_len=32", "parallel.reshard_after_forward=2",
                      "parallel.activation_checkpoint=full", "training.micro_batches=2"]),
+    # Each stage role of 6 blocks and 8 micro-batches, from 2 and 3 blocks per stage and 4
+    # and 6 micro-batches.
+    ("pp=2,dp=4", ["model.flavor=100M", "training.seq_len=32", "training.global_batch=32",
+                   "training.micro_batches=8"]),
 ]
 
 
@@ -214,12 +218,12 @@ def test_plan_for_extrapolation_matches_a_full_depth_simulation(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     for index in range(len(EXTRAPOLATED)):
-        pair = json.loads((tmp_path / f"extrapolated-{index}.json").read_text())
-        full, guess = pair["full"], pair["extrapolated"]
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm"):
-            assert guess[key] == full[key], (index, key)
-        assert abs(guess["peak_bytes"] / full["peak_bytes"] - 1) <= PEAK_TOLERANCE, (index, guess["phase_peaks"],
-                                                                                 full["phase_peaks"])
+        for role, pair in enumerate(json.loads((tmp_path / f"extrapolated-{index}.json").read_text())):
+            full, guess = pair["full"], pair["extrapolated"]
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm"):
+                assert guess[key] == full[key], (index, role, key)
+            assert abs(guess["peak_bytes"] / full["peak_bytes"] - 1) <= PEAK_TOLERANCE, (
+                index, role, guess["phase_peaks"], full["phase_peaks"])
 
 
 def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):

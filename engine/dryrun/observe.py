@@ -52,7 +52,9 @@ def create_optimizer_state(model, optimizer) -> None:
 def _fold(snapshot: dict) -> tuple[int, dict[str, int]]:
     parts = dict.fromkeys(sorted(set(MEMORY_PARTS.values())), 0)
     total = 0
-    for per_device in snapshot.values():
+    for device, per_device in snapshot.items():
+        if device.type == "meta":  # no memory (torch_internals.memory_tracker)
+            continue
         for key, nbytes in per_device.items():
             name = getattr(key, "value", key)
             if name in MEMORY_PARTS:

@@ -23,14 +23,18 @@ What is searched, and why not more:
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
-- pipeline parallel: pp in 1, 2, 4, 8, 16, 32, outermost (each stage then takes tp and
+- pipeline parallel: pp in `dryrun.pp` (1, 2, 4, 8, 16 by default; 1 alone leaves it
+  out), outermost (each stage then takes tp and
   FSDP as above over world / pp ranks), with 1F1B and Interleaved1F1B (2 stages per
   rank) and as many micro-batches as each data rank has sequences (1F1B keeps at most pp
   of them in flight whatever their number, and more of them shrink the bubble). GPipe
   is left out (it keeps every micro-batch in flight for 1F1B's bubble), and so are the
   zero-bubble schedules, which the dry run cannot simulate (simulate.refuse_split_backward).
-  Each distinct stage role is simulated at 2 and 3 blocks per stage and extrapolated to
-  its own blocks; the layout's peak is the largest role's, its step the slowest role's.
+  Each distinct stage role is simulated at 2 and 3 blocks per stage, each with pp and
+  pp + 1 micro-batches, and extrapolated to its own blocks and the layout's micro-batches;
+  the layout's peak is the largest role's, its step the slowest role's. With pp, tp is
+  the largest the plan takes within a node (a model that needs pipeline stages needs
+  its activations split as far as a node allows), which keeps the search to minutes.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.10  # of GPU memory, for what is not a tensor: allocator, NCCL, CUDA context
 
 
-PIPELINE_SIZES = (1, 2, 4, 8, 16, 32)
 PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))  # (schedule, stages per rank)
 
 
@@ -130,21 +133,31 @@ def plan_takes_tp(cfg, tp: int) -> bool:
 def meshes(cfg, world: int, depth: int | None = None) -> list[MeshSpec]:
     """With `depth` (the model's blocks), pipeline sizes too: up to one block per stage."""
     gpus_per_node = cfg.dryrun.gpus_per_node
-    pipeline = (PIPELINE_SIZES if depth is not None and plan_has_stages(cfg) else (1,))
+    pipeline = pipeline_sizes(cfg) if depth is not None and plan_has_stages(cfg) else (1,)
     found = []
     for pp in pipeline:
         if world % pp or (depth is not None and pp > depth):
             continue
-        for tp in (1, 2, 4, 8):
-            stage = world // pp
-            if tp > gpus_per_node or stage % tp or not plan_takes_tp(cfg, tp):
-                continue
+        stage = world // pp
+        takes = [tp for tp in (1, 2, 4, 8) if tp <= gpus_per_node and stage % tp == 0 and plan_takes_tp(cfg, tp)]
+        for tp in takes if pp == 1 else takes[-1:]:
             rest = stage // tp
             found.append(MeshSpec(dp=rest, tp=tp, pp=pp))
             in_node = gpus_per_node // tp
             if 1 < in_node < rest and rest % in_node == 0:
                 found.append(MeshSpec(hsdp=rest // in_node, dp=in_node, tp=tp, pp=pp))
     return found
+
+
+def pipeline_sizes(cfg) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(size) for size in cfg.dryrun.pp.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"dryrun.pp={cfg.dryrun.pp!r}: give the pipeline sizes to search, comma-separated "
+                        f"positive integers, e.g. 1,2,4,8,16 (1 alone: no pipeline parallel).")
+    return sizes
 
 
 def plan_has_stages(cfg) -> bool:
@@ -235,6 +248,13 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tup
 
     spec, per_rank = layout.spec, layout.stages_per_rank
     n_stages, per_stage = spec.pp * per_rank, world // spec.pp
+    # Micro-batches too are simulated at two counts, pp and pp + 1, and extrapolated: what
+    # a step sends and gathers grows by the same amount with each micro-batch, while the
+    # peak stops growing once the schedule's micro-batches in flight are all there (pp of
+    # them on 1F1B's first stage; if it still grows, the line overestimates it).
+    micro, few = layout.micro_batches, spec.pp
+    data = spec.hsdp * spec.dp
+    micro_rows = cfg.training.global_batch // data // micro
     split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split)
     plan, whole = get_plan(cfg.parallel.plan), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
@@ -243,14 +263,22 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tup
         held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
         blocks = sum(split[stage] for stage in held)
 
-        def at(per_stage_blocks: int) -> Observation:
-            uniform = with_overrides(cfg, [f"parallel.pp_split={','.join([str(per_stage_blocks)] * n_stages)}"])
+        def at(per_stage_blocks: int, micro_batches: int) -> Observation:
+            # As many micro-batches of the layout's own size: the global batch shrinks with them.
+            uniform = with_overrides(cfg, [f"parallel.pp_split={','.join([str(per_stage_blocks)] * n_stages)}",
+                                           f"training.micro_batches={micro_batches}",
+                                           f"training.global_batch={micro_batches * micro_rows * data}"])
             return observe_rank_zero(uniform, spec, world, per_stage_blocks * n_stages, pp_rank * per_stage)
+
+        def with_micro_batches(per_stage_blocks: int) -> Observation:
+            if micro <= few + 1:
+                return at(per_stage_blocks, micro)
+            return extrapolate(at(per_stage_blocks, few), at(per_stage_blocks, few + 1), few, 1, micro)
 
         if depth <= 3 * n_stages:
             observed = observe_rank_zero(cfg, spec, world, depth, pp_rank * per_stage)
         else:
-            observed = extrapolate(at(2), at(3), 2 * per_rank, per_rank, blocks)
+            observed = extrapolate(with_micro_batches(2), with_micro_batches(3), 2 * per_rank, per_rank, blocks)
         roles.append((observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)))
     return roles
 

@@ -120,10 +120,13 @@ def memory_tracker(roots: list, optimizer):
                 self.stop_counting()
 
         def _update_peak_stats(self, peak_state) -> None:
+            # A meta tensor holds no memory (the whole model on meta, which a pipeline reads
+            # its stages' shapes from, would otherwise count as one that is).
+            devices = {device: snapshot for device, snapshot in self._curr_mem_snap.items() if device.type != "meta"}
             phase = self.phase_of() if self.phase_of else "forward"
-            total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
+            total = sum(snapshot["Total"] for snapshot in devices.values())
             self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), total)
-            for device, snapshot in self._curr_mem_snap.items():
+            for device, snapshot in devices.items():
                 if self._peak_mem.get(device, 0) < snapshot["Total"]:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = deepcopy(snapshot)
