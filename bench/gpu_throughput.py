@@ -97,6 +97,22 @@ def profile_steps(step, first: int, path: str, steps: int = 2) -> None:
                           + events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90))
 
 
+def measure(step, warmup: int, steps: int, device, profile: str) -> dict:
+    """The first step (compilation included), the rest of the warm-up, the timed window,
+    then the profiled steps when asked."""
+    import torch
+    first = time.perf_counter()
+    step(0)
+    torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - first
+    for index in range(1, warmup):
+        step(index)
+    seconds, peak = timed_steps(step, warmup, steps, device)
+    if profile:
+        profile_steps(step, warmup + steps, profile)
+    return {"first_step_s": first_s, "step_s": seconds, "peak_bytes": peak}
+
+
 def start_one_rank_group() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -144,17 +160,8 @@ def run_engine(shape: Shape, compile_blocks: bool, warmup: int, steps: int, prof
     def step(index: int) -> None:
         losses.append(logged_step(model, optimizer, scheduler, source, index, cfg, dims, device, log, run).loss)
 
-    first = time.perf_counter()
-    step(0)
-    torch.cuda.synchronize(device)
-    first_s = time.perf_counter() - first
-    for index in range(1, warmup):
-        step(index)
-    seconds, peak = timed_steps(step, warmup, steps, device)
-    if profile:
-        profile_steps(step, warmup + steps, profile)
-    return {"build_s": build_s, "first_step_s": first_s, "step_s": seconds, "peak_bytes": peak,
-            "losses": losses, "parameters": sum(p.numel() for p in model.parameters())}
+    return {"build_s": build_s, **measure(step, warmup, steps, device, profile), "losses": losses,
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def torchtitan_args(shape: Shape):
@@ -227,17 +234,8 @@ def run_torchtitan(shape: Shape, compile_blocks: bool, warmup: int, steps: int, 
         schedulers.step()
         losses.append(loss.item())
 
-    first = time.perf_counter()
-    step(0)
-    torch.cuda.synchronize(device)
-    first_s = time.perf_counter() - first
-    for index in range(1, warmup):
-        step(index)
-    seconds, peak = timed_steps(step, warmup, steps, device)
-    if profile:
-        profile_steps(step, warmup + steps, profile)
-    return {"build_s": build_s, "first_step_s": first_s, "step_s": seconds, "peak_bytes": peak,
-            "losses": losses, "parameters": sum(p.numel() for p in model.parameters())}
+    return {"build_s": build_s, **measure(step, warmup, steps, device, profile), "losses": losses,
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def predict(shape: Shape, compile_blocks: bool) -> dict:

@@ -7,6 +7,8 @@ typo costs one line of output rather than eight hung ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -140,7 +142,9 @@ class DryRunConfig:
     peak_tflops: float = 0.0  # dense bf16 peak per GPU; 0 takes the profile's
     intra_node_gbps: float = 0.0  # GB/s per GPU inside a node; 0 takes the profile's
     inter_node_gbps: float = 0.0  # GB/s per GPU between nodes; 0 takes the profile's
-    compute_efficiency: float = 0.5  # the fraction of peak that the matmuls reach
+    # The fraction of the bf16 peak the step reaches: 0.45, the median MFU of the engine's compiled step
+    # on one H100 over four 1B- and 8B-shaped runs (docs/benchmarks.md, 2026-11-25; 40.9% to 47.3%).
+    compute_efficiency: float = 0.45
     report: str = ""  # also write the report as JSON to this path
     gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
     top: int = 5  # --plan-for: how many of the best layouts to print as command lines
@@ -176,11 +180,89 @@ _CHOICES = {
     ("optim", "name"): ("adamw", "sgd"),
     ("parity", "reference_device"): ("auto", "cpu"),
 }
-_POSITIVE = {("training", "steps"), ("training", "global_batch"), ("training", "seq_len"),
-             ("metrics", "log_every"), ("parallel", "checkpoint_every"), ("training", "micro_batches"),
-             ("parity", "steps"), ("eval", "steps"), ("parallel", "pp_stages_per_rank")}
-_NON_NEGATIVE = {("prefetch", "forward"), ("prefetch", "backward"), ("prefetch", "unshard_ahead"),
-                 ("checkpoint", "every"), ("checkpoint", "keep"), ("parity", "layers"), ("eval", "every")}
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key takes: [low, high], each end open or closed; always finite."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    meaning: str = ""
+
+    def holds(self, value) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'above' if self.low_open else 'at least'} {self.low:g}"
+        high = "2**63 - 1" if self.high == INT64 else f"{self.high:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {high}{')' if self.high_open else ']'}"
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1, high_open=True)
+INT64 = 2**63 - 1  # the largest integer any key takes: torch and numpy count in int64
+
+# Every numeric key, with the values that can run. Checked with the types, before any
+# process group: a value outside can only fail later (a NaN at step 2, torch's own
+# ValueError from the optimizer), or never finish.
+RANGES = {
+    ("parallel", "checkpoint_every"): POSITIVE,
+    ("training", "steps"): POSITIVE,
+    ("training", "global_batch"): POSITIVE,
+    ("training", "seq_len"): POSITIVE,
+    ("training", "seed"): Range(0, INT64, meaning="the seed of every random stream"),
+    ("training", "micro_batches"): POSITIVE,
+    ("optim", "lr"): NON_NEGATIVE,
+    ("optim", "weight_decay"): NON_NEGATIVE,
+    ("optim", "beta1"): Range(0, 1, high_open=True, meaning="AdamW's first-moment decay"),
+    ("optim", "beta2"): Range(0, 1, high_open=True, meaning="AdamW's second-moment decay"),
+    ("optim", "eps"): Range(0, low_open=True, meaning="added to AdamW's denominator; 0 divides by zero"),
+    ("optim", "warmup_steps"): NON_NEGATIVE,
+    ("optim", "min_lr_ratio"): Range(0, 1, meaning="the fraction of lr the cosine decays to"),
+    ("optim", "max_norm"): Range(0, meaning="0 turns clipping off"),
+    ("data", "holdout"): Range(0, 1, high_open=True, meaning="the fraction of the data kept for evaluation"),
+    ("eval", "every"): NON_NEGATIVE,
+    ("eval", "steps"): POSITIVE,
+    ("metrics", "log_every"): POSITIVE,
+    ("prefetch", "forward"): Range(0, meaning="0 keeps FSDP2's implicit behaviour"),
+    ("prefetch", "backward"): Range(0, meaning="0 keeps FSDP2's implicit behaviour"),
+    ("prefetch", "unshard_ahead"): Range(0, meaning="0 keeps FSDP2's implicit behaviour"),
+    ("checkpoint", "every"): Range(0, meaning="0 saves nothing"),
+    ("checkpoint", "keep"): Range(0, meaning="0 keeps all"),
+    ("parity", "steps"): POSITIVE,
+    ("parallel", "pp_stages_per_rank"): Range(1, INT64, meaning="pipeline stages on each rank"),
+    ("parity", "layers"): Range(0, meaning="0 takes the flavor's depth"),
+    ("dryrun", "gpus_per_node"): POSITIVE,
+    ("dryrun", "peak_tflops"): Range(0, meaning="0 takes the device profile's"),
+    ("dryrun", "intra_node_gbps"): Range(0, meaning="0 takes the device profile's"),
+    ("dryrun", "inter_node_gbps"): Range(0, meaning="0 takes the device profile's"),
+    ("dryrun", "compute_efficiency"): Range(0, 1, low_open=True, meaning="the fraction of peak the matmuls reach"),
+    ("dryrun", "gpu_memory_gib"): POSITIVE,
+    ("dryrun", "top"): POSITIVE,
+}
+
+
+# Text keys that hold comma-separated positive whole numbers: (may be empty, what to give).
+_LISTS = {
+    ("parallel", "pp_split"): (True, "the blocks of each pipeline stage, comma-separated positive whole numbers "
+                                     "(e.g. 3,2,2,3), or nothing for the even split"),
+    ("dryrun", "pp"): (False, "the pipeline sizes --plan-for searches, comma-separated positive whole numbers "
+                              "(e.g. 1,2,4,8,16; 1 alone: no pipeline parallel)"),
+}
+
+
+def _is_list_of_positive(value: str, may_be_empty: bool) -> bool:
+    if not value.strip():
+        return may_be_empty
+    parts = [part.strip() for part in value.split(",")]
+    return all(part.isascii() and part.isdigit() and 0 < int(part) <= INT64 for part in parts)
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:
@@ -235,11 +317,17 @@ def _set(cfg: Config, dotted: str, value) -> None:
     choices = _CHOICES.get((section_name, key))
     if choices and value not in choices:
         raise UserError(f"config key {dotted} is {value!r}; accepted values: {', '.join(choices)}.")
-    if (section_name, key) in _POSITIVE and value <= 0:
-        raise UserError(f"config key {dotted} must be positive, but got {value}.")
-    if (section_name, key) in _NON_NEGATIVE and value < 0:
-        hint = " (0 keeps FSDP2's implicit behaviour)" if section_name == "prefetch" else ""
-        raise UserError(f"config key {dotted} must be 0 or more{hint}, but got {value}.")
+    allowed = RANGES.get((section_name, key))
+    if allowed is not None and not (allowed.holds(value) and abs(value) <= INT64):
+        number = "a whole number" if isinstance(value, int) else "a finite number"
+        largest = " and at most 2**63 - 1" if isinstance(value, int) and abs(value) > INT64 else ""
+        meaning = f" ({allowed.meaning})" if allowed.meaning else ""
+        raise UserError(f"config key {dotted} must be {number} {allowed}{largest}{meaning}, but got {value!r}.")
+    form = _LISTS.get((section_name, key))
+    if form is not None and not _is_list_of_positive(value, form[0]):
+        raise UserError(f"config key {dotted} is {value!r}; give {form[1]}.")
+    if isinstance(value, str) and "\x00" in value:
+        raise UserError(f"config key {dotted} holds a NUL character ({value!r}), which no name or path can hold.")
     setattr(section, key, value)
 
 
@@ -262,22 +350,42 @@ def parse_override(text: str) -> tuple[str, object]:
         raise UserError(f"--set {text!r}: expected section.key=value, for example --set training.steps=10.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # not YAML (or nested past Python's stack): the text itself
         value = raw
     return key.strip(), value
+
+
+def read_yaml(path: Path):
+    """A YAML config file's content; a UserError unless it is a regular, readable UTF-8
+    YAML file (a device, a pipe or a folder could only block, or fail later)."""
+    what = f"config file {str(path)!r}"
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"{what} does not exist. Pass an existing YAML file with --config.") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{what} cannot be read ({getattr(err, 'strerror', None) or err}). Pass a YAML file "
+                        f"with --config.") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a device, pipe or socket)"
+        raise UserError(f"{what} is {kind}. Pass a YAML file with --config.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{what} is not UTF-8 text (byte {err.start:,} cannot be decoded): is it a YAML "
+                        f"file? Pass a YAML file with --config.") from None
+    except OSError as err:
+        raise UserError(f"{what} cannot be read ({err.strerror or err}).") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except (yaml.YAMLError, RecursionError) as err:
+        raise UserError(f"{what} is not valid YAML: {' '.join(str(err).split()) or type(err).__name__}") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"config file {str(path)!r} does not exist. Pass an existing YAML file with --config.")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise UserError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-        _apply_mapping(cfg, data, str(path))
+        _apply_mapping(cfg, read_yaml(Path(path)), str(path))
     return with_overrides(cfg, overrides)
 
 

@@ -21,12 +21,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from engine.data.sources import local_batch
-from engine.errors import NonFiniteLoss
+from engine.data.sources import TokenSource, local_batch
+from engine.data.token_file import OutOfVocabulary
+from engine.errors import NonFiniteLoss, raise_if_any_rank
 from engine.grad_norm import clip_grad_norm
 from engine.metrics.memory import LargestOverRanks
 from engine.metrics.log import RunShape, StepLog
 from engine.metrics.throughput import device_peak_flops, flops_per_token
+from parallel.context import split_sequence
 from parallel.pipeline import whole_model
 
 
@@ -189,15 +191,45 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
                       optimizer_s=time.perf_counter() - computed, skipped=skipped)
 
 
+def rank_batch(source, step: int, training, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of global batch `step`: its data rank's rows and, with cp > 1, its
+    two chunks of each row (parallel/context.py)."""
+    inputs, targets = local_batch(source, step, training.global_batch, training.seq_len, dims.data_rank,
+                                  dims.data_size)
+    return split_sequence(inputs, dims.cp_rank, dims.cp_size), split_sequence(targets, dims.cp_rank, dims.cp_size)
+
+
+def host_group():
+    """All ranks, on gloo, for the loop's small host-side agreements: the default group
+    when it is gloo, else a new one (a collective: every rank calls this)."""
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def agree_on_ids(read, source, group):
+    """`read()` (a batch, or batches) on every rank of `group` (None: this process alone).
+    Ids from a token folder are checked against the model's vocabulary as they are read
+    (TokenSource); one rank stopping alone would leave the others waiting in the forward's
+    collectives, so all ranks learn whether any rank found one, and all stop with its error."""
+    if group is None or not isinstance(source, TokenSource):
+        return read()  # corpus bytes and synthetic ids are in range by construction
+    batch, problem = None, None
+    try:
+        batch = read()
+    except OutOfVocabulary as err:
+        problem = str(err)
+    raise_if_any_rank(problem, group, OutOfVocabulary)
+    return batch
+
+
 def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
-             unshard=None, after_backward=None) -> StepResult:
+             unshard=None, after_backward=None, ids_group=None) -> StepResult:
     """One optimizer step of the loop: this rank's rows of batch `step`, then train_step.
     `unshard` starts the first all-gathers so that they overlap with building the batch."""
     started = time.perf_counter()
     if unshard is not None:
         unshard()
     t = cfg.training
-    inputs, targets = local_batch(source, step, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+    inputs, targets = agree_on_ids(lambda: rank_batch(source, step, t, dims), source, ids_group)
     inputs, targets = inputs.to(device), targets.to(device)
     data_s = time.perf_counter() - started
     result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
@@ -219,17 +251,18 @@ def norm_scope(model) -> dict:
 
 
 # The data-parallel view of a single process: rank 0 of 1, no group (see parallel/mesh.py).
-ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, data=SimpleNamespace(get_group=lambda: None))
+ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, cp_rank=0, cp_size=1,
+                             data=SimpleNamespace(get_group=lambda: None))
 
 
 @torch.no_grad()
-def evaluate(model, source, cfg, dims, device) -> float:
+def evaluate(model, source, cfg, dims, device, ids_group=None) -> float:
     """The mean loss over eval.steps global batches of `source`. Every evaluation reads the
     same batches (batch k of the held-out data), so successive values are comparable."""
     t = cfg.training
     total = 0.0
     for batch in range(cfg.eval.steps):
-        inputs, targets = local_batch(source, batch, t.global_batch, t.seq_len, dims.data_rank, dims.data_size)
+        inputs, targets = agree_on_ids(lambda: rank_batch(source, batch, t, dims), source, ids_group)
         inputs, targets = inputs.to(device), targets.to(device)
         if pipeline_of(model) is not None:
             local = run_pipeline(model, inputs, targets, t.micro_batches, loss_for(cfg.parallel), backward=False)
@@ -251,16 +284,16 @@ def evaluates_after(step: int, cfg) -> bool:
 
 
 def logged_step(model, optimizer, scheduler, source, step: int, cfg, dims, device, log: StepLog,
-                shape: RunShape, unshard=None, eval_source=None) -> StepResult:
+                shape: RunShape, unshard=None, eval_source=None, ids_group=None) -> StepResult:
     """run_step, then its metrics. Memory is read after backward, where activations and
     gradients coexist, and reduced over ranks in the background (every rank calls this).
     An evaluation after the step is timed apart, so it does not lower the step's tok/s."""
     started = time.perf_counter()
     memory = LargestOverRanks(device)
-    result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard, memory.start)
+    result = run_step(model, optimizer, scheduler, source, step, cfg, dims, device, unshard, memory.start, ids_group)
     seconds = time.perf_counter() - started
     if eval_source is not None and evaluates_after(step, cfg):
-        result.val_loss = evaluate(model, eval_source, cfg, dims, device)
+        result.val_loss = evaluate(model, eval_source, cfg, dims, device, ids_group)
         result.eval_s = time.perf_counter() - started - seconds
     log.step(step, result, seconds, shape, memory.result())
     return result
@@ -283,10 +316,11 @@ def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
     start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
     shape = run_shape(model, cfg, device)
     log.describe(shape)
+    ids_group = host_group() if isinstance(source, TokenSource) else None
     results = []
     for step in range(start, cfg.training.steps):
         result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard,
-                             eval_source)
+                             eval_source, ids_group)
         results.append(result)
         if result.skipped and not cfg.metrics.skip_nonfinite:
             log.close()

@@ -11,9 +11,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from parallel.plan import Plan, Stages, register_plan
 
 
-def embed(model, tokens):
-    """The first pipeline stage's computation before the blocks: token and position embeddings."""
-    return model.wte(tokens) + model.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+def embed(model, tokens, positions):
+    """The first pipeline stage's computation before the blocks: token and position
+    embeddings (`positions`: the tokens' own under context parallelism, else None)."""
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return model.wte(tokens) + model.wpe(positions)
 
 register_plan(Plan(
     name="gpt2",
@@ -33,6 +36,9 @@ register_plan(Plan(
         "blocks.*.attn.c_attn": lambda model: 3 * model.args.head_dim,
         "blocks.*.attn.c_proj": lambda model: model.args.head_dim,
     },
+    # The attention core (q, k, v -> causal attention): with cp > 1 the engine attends across
+    # the cp ranks in its place, and passes the model its tokens' positions.
+    attention="blocks.*.attn.core",
     # Pipeline stages: the embeddings are added, not run one after the other, so the first
     # stage's computation is given; the last stage runs ln_f then lm_head, the default. The
     # output projection shares wte's weight: on different stages, each holds a copy that

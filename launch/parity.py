@@ -28,12 +28,12 @@ from torch.distributed.tensor import DTensor
 from engine.parity import trajectory
 from engine.parity.compare import (check_row, digest, full, max_abs_diff, relative_diff, replication_mismatches,
                                    tolerance_for)
-from engine.data.sources import build_source, local_batch
+from engine.data.sources import TokenSource, build_source, local_batch
 from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
 from engine.parity.report import format_report
 from engine.parity.reference import Reference
-from engine.train import build_optimizer, evaluate, loss_for, train_step
+from engine.train import agree_on_ids, build_optimizer, evaluate, host_group, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 from parallel.pipeline import parts_of, whole_model
 
@@ -65,6 +65,7 @@ class ParityRun:
         self.tolerance = tolerance_for(cfg.parallel.param_dtype, cfg.optim.name)
         self.golden = trajectory.read(cfg.parity.check_against, cfg) if cfg.parity.check_against else None
         self.source = None
+        self.ids_group = None  # set with the source: the ranks agree on its ids (engine/train.py)
         self.reference_grads: dict[str, torch.Tensor] | None = None
         self.gradient_summaries: dict[str, dict] = {}
         self.largest_grad = 0.0
@@ -73,9 +74,7 @@ class ParityRun:
 
     # -- batches -------------------------------------------------------------------------
     def batch(self, step: int):
-        t = self.cfg.training
-        inputs, targets = local_batch(self.source, step, t.global_batch, t.seq_len,
-                                      self.dims.data_rank, self.dims.data_size)
+        inputs, targets = rank_batch(self.source, step, self.cfg.training, self.dims)
         return inputs.to(self.device), targets.to(self.device)
 
     def global_batch(self, step: int, device):
@@ -94,14 +93,17 @@ class ParityRun:
         layout_hook = self.record_post_forward_layout(parts_of(model)[0], applied.blocks[0])
 
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+        self.ids_group = host_group() if isinstance(self.source, TokenSource) else None
         rows, lrs = [], []
         for step in range(pc.steps):
             row = {"step": step + 1}
+            whole, batch = agree_on_ids(lambda: (None if reference is None else
+                                                 self.global_batch(step, reference_device(reference)),
+                                                 self.batch(step)), self.source, self.ids_group)
             if reference is not None:
                 keep = self.keep_reference_grads if step == 0 else None
-                row["reference_loss"], row["reference_grad_norm"], _ = reference.step(
-                    *self.global_batch(step, reference_device(reference)), inspect_grads=keep)
-            result = train_step(model, optimizer, scheduler, *self.batch(step), cfg.optim.max_norm,
+                row["reference_loss"], row["reference_grad_norm"], _ = reference.step(*whole, inspect_grads=keep)
+            result = train_step(model, optimizer, scheduler, *batch, cfg.optim.max_norm,
                                 self.dims.data.get_group(), cfg.training.micro_batches,
                                 inspect_grads=self.compare_step0_gradients if step == 0 else None,
                                 loss=loss_for(cfg.parallel))
@@ -208,7 +210,7 @@ class ParityRun:
         """The held-out loss after the last step (eval.every > 0), on the mesh and on one device."""
         cfg = self.cfg
         source = build_source(cfg, vocab_size(whole_model(model)), split="eval")
-        self.report["val_loss"] = evaluate(model, source, cfg, self.dims, self.device)
+        self.report["val_loss"] = evaluate(model, source, cfg, self.dims, self.device, self.ids_group)
         if reference is None:
             return
         self.report["reference_val_loss"] = reference.evaluate(source, cfg, reference_device(reference))
@@ -274,7 +276,7 @@ class ParityRun:
         # A pipeline schedule needs its micro-batches; without one, step 0 runs in one pass.
         micro = cfg.training.micro_batches if pipeline is not None else 1
         where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size,
-                          micro)
+                          dims.cp_rank, dims.cp_size, micro)
         found = localize(model, reference, *self.batch(0), *self.global_batch(0, reference_device(reference)),
                          where, self.tolerance, self.device, pipeline.stage_of if pipeline is not None else None)
         found["compile"] = "off for the rerun" if self.cfg.parallel.compile else "off"

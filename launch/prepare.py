@@ -3,13 +3,16 @@
     python launch/prepare.py INPUT... --out FOLDER [--tokenizer bytes|tokenizer.json|tiktoken:NAME]
                              [--workers N] [--text-key text] [--append-eos] [--force]
     python launch/prepare.py --train-tokenizer TEXT... --vocab-size 512 --out tokenizer.json
+    python launch/prepare.py --check FOLDER [--vocab-size N]
 
 Inputs: a .jsonl (or .ndjson) file holds one document per line, its text under
 --text-key; any other file is one UTF-8 text document. Inputs are streamed: text
 files in pieces of about 64 KB cut after a blank line (else after a line), JSON lines
 in groups, tokenized in order by a pool of --workers processes, and written as they
-come back. FOLDER is written as FOLDER.partial, then renamed. Format and sampling:
-docs/data.md. Bad input exits with code 2 and one paragraph.
+come back. FOLDER is written as FOLDER.partial, then renamed. `--check` reads a prepared
+folder's ids in bounded memory and reports any at or past the vocabulary (index.json's,
+or --vocab-size, e.g. the model's). Format and sampling: docs/data.md. Bad input, and a
+folder that fails --check, exit with code 2 and one paragraph.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from engine.data.token_file import TokenWriter  # noqa: E402
+from engine.data.token_file import DTYPES, INDEX, TokenWriter, id_outside, read_index, scan_ids  # noqa: E402
 from engine.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from engine.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
@@ -46,8 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="*", metavar="INPUT", help=".txt (one document per file) or "
                         ".jsonl (one document per line) files")
-    parser.add_argument("--out", required=True, help="the folder to write (or, with --train-tokenizer, "
-                        "the tokenizer.json)")
+    parser.add_argument("--out", help="the folder to write (or, with --train-tokenizer, the tokenizer.json)")
     parser.add_argument("--tokenizer", default="bytes", help="bytes (default, vocabulary 256), a Hugging "
                         "Face tokenizer.json, or tiktoken:NAME where tiktoken is installed")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
@@ -58,7 +60,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--train-tokenizer", nargs="+", metavar="TEXT",
                         help="instead of preparing, train a byte-level BPE tokenizer.json on these files")
-    parser.add_argument("--vocab-size", type=int, default=512, help="with --train-tokenizer (default 512)")
+    parser.add_argument("--vocab-size", type=int, help="with --train-tokenizer: its size (default 512); with "
+                        "--check: the vocabulary to check against (default: the one index.json names)")
+    parser.add_argument("--check", metavar="FOLDER", help="instead of preparing, read FOLDER's token ids and "
+                        "report any outside the vocabulary")
     return parser.parse_args(argv)
 
 
@@ -202,8 +207,9 @@ def human_bytes(count: int) -> str:
 class Progress:
     """One line on stderr, rewritten in place on a terminal (elsewhere a line every 10 s)."""
 
-    def __init__(self, stream=sys.stderr):
+    def __init__(self, stream=sys.stderr, task: str = "prepare"):
         self.stream = stream
+        self.task = task
         self.tty = stream.isatty()
         self.started = self.shown = time.perf_counter()
         self.documents = self.tokens = self.bytes = 0
@@ -211,7 +217,8 @@ class Progress:
     def line(self) -> str:
         seconds = max(time.perf_counter() - self.started, 1e-9)
         mb = self.bytes / 1e6
-        return (f"prepare: {plural(self.documents, 'document')}, {plural(self.tokens, 'token')}, "
+        documents = f"{plural(self.documents, 'document')}, " if self.task == "prepare" else ""
+        return (f"{self.task}: {documents}{plural(self.tokens, 'token')}, "
                 f"{human_bytes(self.bytes)} read, {mb / seconds:,.2f} MB/s")
 
     def update(self, force: bool = False) -> None:
@@ -311,6 +318,36 @@ def prepare(inputs: list[str], out: str, tokenizer_spec: str = "bytes", workers:
         raise
 
 
+def check_folder(folder: str, vocab_size: int | None = None) -> str:
+    """Every token id of a prepared folder against a vocabulary (index.json's, or a model's
+    of at least that size); returns the summary line, or raises the error a run would
+    meet at the first such id, with their count."""
+    index = read_index(folder, "--check")
+    named = int(index["tokenizer"]["vocab_size"])
+    vocab = named if vocab_size is None else vocab_size
+    if vocab < named:
+        raise UserError(f"--check {folder!r}: its {INDEX} names a vocabulary of {named:,}, larger than --vocab-size "
+                        f"{vocab:,}, so its ids may reach {named - 1:,}; launch/run.py refuses it for such a model "
+                        f"before starting. Give --vocab-size of at least {named:,}, or prepare the data with a "
+                        f"smaller tokenizer.")
+    itemsize = DTYPES[index["dtype"]].itemsize
+    progress = Progress(task="check")
+
+    def show(done: int) -> None:
+        progress.tokens, progress.bytes = done, done * itemsize
+        progress.update()
+
+    scan = scan_ids(folder, vocab, progress=show)
+    whose = "the --vocab-size" if vocab_size is not None else f"its {INDEX}'s"
+    if scan.outside:
+        raise id_outside(folder, scan.first, scan.first_id, vocab, "prepared", whose,
+                         f"{scan.outside:,} of its {scan.tokens:,} ids {'is' if scan.outside == 1 else 'are'} "
+                         f"outside it (this is the first); prepare the folder again")
+    progress.close()
+    largest = "" if scan.largest is None else f"; the largest is {scan.largest:,}"
+    return f"checked {folder}: {plural(scan.tokens, 'token')}, every id inside {whose} vocabulary of {vocab:,}{largest}"
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -319,11 +356,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, _interrupt)  # a killed preparation removes FOLDER.partial too
     try:
+        if args.check:
+            if args.inputs or args.out or args.train_tokenizer:
+                raise UserError("--check reads one prepared folder; leave out INPUT, --out and --train-tokenizer.")
+            print(check_folder(args.check, args.vocab_size))
+            return 0
+        if not args.out:
+            raise UserError("--out is missing: give the folder to write (or, with --train-tokenizer, the "
+                            "tokenizer.json).")
         if args.train_tokenizer:
             if args.inputs:
                 raise UserError("--train-tokenizer takes its text files itself; leave out the INPUT "
                                 "arguments, and prepare with --tokenizer OUT.json afterwards.")
-            done = train_bpe(args.train_tokenizer, args.vocab_size, args.out)
+            done = train_bpe(args.train_tokenizer, 512 if args.vocab_size is None else args.vocab_size, args.out)
             print(f"trained {done['out']}: a byte-level BPE of {done['vocab_size']:,} tokens on "
                   f"{done['files']} file(s), {done['bytes']:,} bytes, in {done['seconds']:.2f} s")
             return 0

@@ -89,7 +89,18 @@ def register_model_sources(cfg) -> None:
 
 
 def check(args: argparse.Namespace, world_size: int | None):
-    """Everything that can be checked without a process group. Returns (config, mesh)."""
+    """Everything that can be checked without a process group. Returns (config, mesh).
+    Every path it reads was given by the user, so a path the system will not take (too
+    long, unreadable, a device that fails to read) is bad input too."""
+    try:
+        return checked_config(args, world_size)
+    except OSError as err:
+        where = f" {str(err.filename)[:200]!r}" if err.filename else ""
+        raise UserError(f"cannot use the path{where} ({err.strerror or err}). Check the paths in the config "
+                        f"and on the command line.") from None
+
+
+def checked_config(args: argparse.Namespace, world_size: int | None):
     cfg = load_config(args.config, args.overrides)
     if args.mesh is not None:
         cfg.parallel.mesh = args.mesh
@@ -102,6 +113,8 @@ def check(args: argparse.Namespace, world_size: int | None):
         if world_size is None:
             raise UserError(f"--mesh {spec} has a -1 dimension, so the number of processes is not "
                             f"known. Pass --nproc N, or give every size.")
+    elif world_size < 1:
+        raise UserError(f"--nproc {world_size}: give the number of processes to start, at least 1.")
     spec = spec.resolve(world_size)
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (REPO / data_path).exists():
@@ -109,6 +122,7 @@ def check(args: argparse.Namespace, world_size: int | None):
     from models import build_on_meta
     from models.contract import check_model_contract, max_seq_len, vocab_size
     from parallel.apply import tensor_parallel_styles
+    from parallel.context import check_context_parallel
     from parallel.fsdp_internals import check_supported
     from parallel.plan import get_plan
     from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
@@ -147,6 +161,7 @@ def check(args: argparse.Namespace, world_size: int | None):
     if spec.tp > 1 and cfg.parallel.sequence_parallel and cfg.training.seq_len % spec.tp:
         raise UserError(f"training.seq_len={cfg.training.seq_len} does not split over tp={spec.tp} "
                         f"with parallel.sequence_parallel=true. Use a multiple of {spec.tp}.")
+    check_context_parallel(model, plan, spec, cfg.training.seq_len, cfg.parallel.sequence_parallel)
     micro = cfg.training.micro_batches
     if cfg.training.global_batch % (data_size * micro):
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not split into "
@@ -185,9 +200,10 @@ def check_parity(cfg) -> None:
                         "trajectory with --set parity.check_against=FILE, or keep the reference.")
 
 
-def find_checkpoint(cfg) -> Path | None:
-    """The checkpoint folder to resume from, or None. Every way a checkpoint or an
-    init_from file can be wrong surfaces here, before any process group exists."""
+def find_checkpoint(cfg):
+    """The checkpoint to resume from (engine/checkpoint/store.py: Resume), or None. Every
+    way a checkpoint or an init_from file can be wrong that shows without reading its data
+    surfaces here, before any process group exists."""
     from engine.checkpoint.store import resume_folder, state_dict_shapes
     from engine.config import to_dict
     from models import build_on_meta
@@ -212,7 +228,7 @@ def launch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) ->
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     import torch.distributed as dist
 
-    from engine.checkpoint.dcp import Checkpointer
+    from engine.checkpoint.dcp import Checkpointer, agreed
     from engine.data.sources import build_source
     from models.contract import vocab_size
     from engine.metrics.log import StepLog
@@ -224,7 +240,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
 
     dims, device = start_process_group(cfg, spec)
     plan = get_plan(cfg.parallel.plan)
-    resume_from = find_checkpoint(cfg)
+    resume_from = agreed(lambda: find_checkpoint(cfg))  # every rank resumes from rank 0's choice
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
                   every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,
                   append=resume_from is not None)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.attention import CausalAttention
 from models.initial_values import Constant, Normal
 
 
@@ -44,10 +45,11 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.c_attn = nn.Linear(args.dim, 3 * args.dim)
         self.c_proj = nn.Linear(args.dim, args.dim)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = rearrange(self.c_attn(x), "b s (h three d) -> three b h s d", three=3, d=self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.c_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -88,8 +90,11 @@ class GPT2(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.wte.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: each token's position in its sequence (context parallelism passes
+        them); None means 0, 1, ..."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
             h = block(h)

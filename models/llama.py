@@ -6,6 +6,7 @@ all heads on one device or a tensor-parallel slice of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.attention import CausalAttention
 from models.initial_values import Constant, Normal
 
 
@@ -39,8 +41,8 @@ class LlamaArgs:
 
 
 # Public Llama 3 shapes. The 3.1/3.2 releases also scale rope (LlamaArgs.rope_scaling);
-# these flavors leave it off, while a Hugging Face import (checkpoint.hf_import) takes it
-# from the checkpoint's config.json.
+# these flavors leave it off (the -128K ones below have it), while a Hugging Face import
+# (checkpoint.hf_import) takes it from the checkpoint's config.json.
 FLAVORS = {
     "debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
                        vocab_size=256, max_seq_len=512),
@@ -58,6 +60,20 @@ FLAVORS = {
     "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
 }
+
+
+# Llama 3.1's long-context models: the same parameters, 131,072 positions and its rope
+# scaling (factor 8, low and high frequency factors 1 and 4, from 8,192 positions), as in
+# their config.json. Checkpoints of 8B and 70B hold the same tensors, so they load here
+# (checkpoint.init_from) for long-context training. 8B-1M stretches the same scaling to
+# 1,048,576 positions (factor 128): a shape to plan million-token runs with
+# (docs/planning.md), not a published model.
+LLAMA_3_1_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
+FLAVORS["8B-128K"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
+FLAVORS["70B-128K"] = dataclasses.replace(FLAVORS["70B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
+FLAVORS["8B-1M"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=1048576, rope_scaling=(128.0, 1.0, 4.0, 8192))
+# The debug model with room for long sequences: context parallelism's runs on a CPU.
+FLAVORS["debug-32K"] = dataclasses.replace(FLAVORS["debug"], max_seq_len=32768)
 
 
 def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:
@@ -119,20 +135,19 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = (rearrange(proj(x), "b s (h d) -> b s h d", d=self.head_dim)
                    for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-        # Each kv head serves n_rep consecutive query heads (a TP slice keeps that ratio).
-        # enable_gqa reads them in place, where repeating k and v would save n_rep copies.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        # Each kv head serves n_heads / n_kv_heads consecutive query heads (a TP slice keeps that ratio).
+        out = self.core(q, k, v)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -179,10 +194,15 @@ class Llama(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: each token's position in its sequence, when the tokens are not the
+        whole sequence (context parallelism holds two chunks of it); None means 0, 1, ..."""
         h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         return self.output(self.norm(h))
 
     def reset_buffers(self) -> None:

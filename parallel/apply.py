@@ -3,7 +3,8 @@
 0. with pp > 1, the model splits into this rank's pipeline stages (parallel/pipeline.py),
    each a part of the model that keeps only its own blocks (and the embedding on the first
    stage, the output on the last); steps 1 to 6 then apply to each part as to a model,
-1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh,
+1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh, then, with cp > 1,
+   attention across the cp ranks (parallel/context.py),
 2. activation checkpointing, per block,
 3. torch.compile, per block,
 4. fully_shard on every block (with the reshard-after-forward setting),
@@ -11,7 +12,8 @@
 6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
 AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
-the recomputed and compiled regions.
+the recomputed and compiled regions. The cp step comes right after TP, so AC and
+compile wrap the attention across cp ranks as they wrap the rest of the block.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from engine.config import ParallelConfig
+from parallel.context import apply_context_parallel
 from parallel.mesh import ParallelDims
 from parallel.pipeline import build_pipeline, join_parts, split_into_parts
 from parallel.plan import Plan, expand
@@ -171,6 +174,7 @@ class AppliedPlan:
     blocks: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
     compiled: list[str] = field(default_factory=list)
+    attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
     block_reshard: bool | int = True
     stages: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
 
@@ -185,6 +189,8 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
     if dims.tp_enabled:
         tp_styles = apply_tensor_parallel(model, plan, dims, options)
         applied.tp_styles.update(tp_styles)
+    if dims.cp_enabled:
+        applied.attention += apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype))
     if options.activation_checkpoint != "none":
         applied.checkpointed += apply_activation_checkpoint(paths, model, options)
     if options.compile:
@@ -206,7 +212,7 @@ def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
         post_forward_mesh = build_post_forward_mesh(dims, applied.block_reshard)
     parts = [model]
     if dims.pp_enabled:
-        parts = split_into_parts(model, plan, dims.spec.pp, dims.pp.get_local_rank(), options)
+        parts = split_into_parts(model, plan, dims.spec.pp, dims.pp.get_local_rank(), options, dims.spec.tp)
         applied.stages = [part.stage_index for part in parts]
     for part in parts:
         apply_to_part(part, plan, dims, options, prefetch, applied, post_forward_mesh)

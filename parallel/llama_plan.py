@@ -6,6 +6,14 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from parallel.plan import Plan, Stages, register_plan
 
+def rope_block(model, block, h, positions):
+    """One block of a pipeline stage: it reads the RoPE tables, at `positions` if given."""
+    cos, sin = model.rope_cos, model.rope_sin
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    return block(h, cos, sin)
+
+
 LLAMA = register_plan(Plan(
     name="llama",
     blocks="layers.*",
@@ -41,8 +49,10 @@ LLAMA = register_plan(Plan(
     output="output",
     # q, k, v and wo must split into whole heads: kv heads bound the TP degree.
     shard_units={"layers.*.attention.w?": lambda model: model.args.head_dim},
+    # Context parallelism attends across ranks in place of this module.
+    attention="layers.*.attention.core",
     # Pipeline stages: the embedding first, the final norm and output last; every block
-    # also reads the RoPE tables, which each stage keeps as buffers.
-    stages=Stages(first=("tok_embeddings",), last=("norm", "output"),
-                  block=lambda model, block, h: block(h, model.rope_cos, model.rope_sin)),
+    # also reads the RoPE tables, which each stage keeps as buffers (at its tokens'
+    # positions under context parallelism).
+    stages=Stages(first=("tok_embeddings",), last=("norm", "output"), block=rope_block),
 ))

@@ -1,11 +1,13 @@
 """The `--mesh` text, its validation, and the named DeviceMesh built from it.
 
-The grid has four named dimensions, outermost first:
+The grid has five named dimensions, outermost first:
 
     pp    pipeline stages, outermost: only activations cross it, point to point,
           so it is the one dimension that spans nodes cheaply
     hsdp  replica groups (HSDP replicates across them)
     dp    FSDP shard degree inside each replica group
+    cp    context parallel degree: each rank holds a part of every sequence
+          (parallel/context.py); FSDP shards parameters over dp x cp
     tp    tensor parallel degree, innermost so its ranks share a node
 
 Parsing needs no process group, so it can be tested on its own.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from engine.errors import UserError
 
-DIM_ORDER = ("pp", "hsdp", "dp", "tp")
+DIM_ORDER = ("pp", "hsdp", "dp", "cp", "tp")
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
 _EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh pp=2,hsdp=2,dp=2,tp=2"
 
@@ -30,19 +32,28 @@ class MeshSpec:
     hsdp: int = 1
     dp: int = 1
     tp: int = 1
-    pp: int = 1  # last here so that positional (hsdp, dp, tp) stays valid; outermost in the mesh
+    # Added after (hsdp, dp, tp) so that positional (hsdp, dp, tp) stays valid; their
+    # places in the mesh are DIM_ORDER's: pp outermost, cp third from the inside.
+    cp: int = 1
+    pp: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
         """In DIM_ORDER, outermost first."""
-        return (self.pp, self.hsdp, self.dp, self.tp)
+        return (self.pp, self.hsdp, self.dp, self.cp, self.tp)
 
     @property
     def world_size(self) -> int | None:
         """The number of ranks this mesh needs, or None while a -1 is unresolved."""
         if -1 in self.sizes:
             return None
-        return self.pp * self.hsdp * self.dp * self.tp
+        return self.pp * self.hsdp * self.dp * self.cp * self.tp
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP shards each parameter over: dp, and cp, whose ranks would
+        otherwise hold the same parameters."""
+        return self.dp * self.cp
 
     def resolve(self, world_size: int) -> "MeshSpec":
         """Replace a -1 by what is left of `world_size`, and check the product."""
@@ -117,9 +128,13 @@ class ParallelDims:
     """The built mesh and the views of it that the rest of the engine uses.
 
     `fsdp` is what fully_shard gets: 1-D (dp) or, with hsdp > 1, 2-D (hsdp, dp).
-    `tp` is the tensor-parallel sub-mesh, `pp` the pipeline one. `data` is hsdp x dp
-    flattened: ranks with the same coordinate there read the same batch (every stage
-    of one pipeline reads the same rows), and loss averages and data sharding use it.
+    With cp > 1 its shard dimension is dp x cp flattened (`dp_cp`), so cp ranks hold
+    no duplicate parameters and gradients are averaged over them too.
+    `tp` is the tensor-parallel sub-mesh, `cp` the context-parallel one, `pp` the
+    pipeline one. `data` is hsdp x dp x cp flattened: each of its ranks holds different
+    tokens of the global batch, and loss averages use its group. Ranks with the same
+    `data_rank` (the hsdp x dp coordinate) read the same rows, each cp rank its own part
+    of them, and every stage of one pipeline the same rows and parts.
     All of them are this rank's slice: with pp > 1 each stage has its own.
     """
 
@@ -129,6 +144,7 @@ class ParallelDims:
     fsdp: "DeviceMesh"  # noqa: F821
     tp: "DeviceMesh"  # noqa: F821
     data: "DeviceMesh"  # noqa: F821
+    cp: "DeviceMesh"  # noqa: F821
     pp: "DeviceMesh"  # noqa: F821
 
     @property
@@ -136,12 +152,24 @@ class ParallelDims:
         return self.spec.tp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.spec.cp > 1
+
+    @property
     def pp_enabled(self) -> bool:
         return self.spec.pp > 1
 
     @property
     def data_rank(self) -> int:
-        return self.data.get_local_rank()
+        return self.data.get_local_rank() // self.spec.cp  # cp is innermost in `data`
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.get_local_rank()
+
+    @property
+    def cp_size(self) -> int:
+        return self.spec.cp
 
     @property
     def data_size(self) -> int:
@@ -149,11 +177,16 @@ class ParallelDims:
 
 
 def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
-    """Build the named 4-D DeviceMesh; the process group must already exist."""
+    """Build the named 5-D DeviceMesh; the process group must already exist."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = init_device_mesh(device_type, spec.sizes, mesh_dim_names=DIM_ORDER)
-    fsdp = world["hsdp", "dp"] if spec.hsdp > 1 else world["dp"]
-    data = world["hsdp", "dp"]._flatten("data")
+    data = world["hsdp", "dp", "cp"]._flatten("data")
+    if spec.cp == 1:
+        fsdp = world["hsdp", "dp"] if spec.hsdp > 1 else world["dp"]
+    elif spec.hsdp == 1:
+        fsdp = world["dp", "cp"]._flatten("dp_cp")
+    else:  # (hsdp, dp_cp): slicing a flattened dimension out of `world` is deprecated
+        fsdp = data._unflatten(0, (spec.hsdp, spec.shard_size), ("hsdp", "dp_cp"))
     return ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
-                        tp=world["tp"], data=data, pp=world["pp"])
+                        tp=world["tp"], data=data, cp=world["cp"], pp=world["pp"])

@@ -223,31 +223,43 @@ def _run_in_turn(model: nn.Module, paths: tuple[str, ...], x: torch.Tensor) -> t
     return x
 
 
-def stage_forward(model: nn.Module, stages: Stages, blocks: list[nn.Module], first: bool, last: bool):
-    """The computation of one stage on its part `model` (parallel.plan.Stages)."""
-    embed = stages.embed or (lambda m, tokens: _run_in_turn(m, stages.first, tokens))
-    block = stages.block or (lambda m, b, h: b(h))
+def stage_functions(stages: Stages):
+    """(embed, block, head) of parallel.plan.Stages, the defaults filled in."""
+    embed = stages.embed or (lambda m, tokens, positions: _run_in_turn(m, stages.first, tokens))
+    block = stages.block or (lambda m, b, h, positions: b(h))
     head = stages.head or (lambda m, h: _run_in_turn(m, stages.last, h))
+    return embed, block, head
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+
+def stage_forward(model: nn.Module, stages: Stages, blocks: list[nn.Module], first: bool, last: bool):
+    """The computation of one stage on its part `model` (parallel.plan.Stages). `positions`,
+    each local token's position in its sequence, comes from context parallelism's hook
+    (parallel/context.py); None means 0, 1, ..."""
+    embed, block, head = stage_functions(stages)
+
+    def forward(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if first:
-            x = embed(model, x)
+            x = embed(model, x, positions)
         for module in blocks:
-            x = block(model, module, x)
+            x = block(model, module, x, positions)
         return head(model, x) if last else x
 
     return forward
 
 
-def split_part(model: nn.Module, plan: Plan, block_paths: list[str], stage: int, n_stages: int) -> nn.Module:
+def split_part(model: nn.Module, plan: Plan, block_paths: list[str], stage: int, n_stages: int,
+               sequence_split: int = 1) -> nn.Module:
     """Stage `stage`'s part: a copy of the meta `model` holding only `block_paths` (and the
-    embedding or the output when it is the first or last stage)."""
+    embedding or the output when it is the first or last stage). `sequence_split`: how many
+    pieces of each sequence the hidden state a later stage receives is (tp with sequence
+    parallel), so that the part knows its tokens' number (context parallel's positions)."""
     stages, first, last = plan.stages, stage == 0, stage == n_stages - 1
     keep = set(block_paths) | (set(stages.first) if first else set()) | (set(stages.last) if last else set())
     groups = tie_groups(model)
     part = copy.deepcopy(model)
     _prune(part, keep)
     part.stage_index = stage
+    part.sequence_split = 1 if first else sequence_split
     part.forward = stage_forward(part, stages, [part.get_submodule(p) for p in block_paths], first, last)
     part.tie_weights = lambda: retie(part, groups)
     return part
@@ -261,9 +273,10 @@ def stage_blocks(model: nn.Module, plan: Plan, pp: int, options) -> list[list[st
     return [paths[start:start + count] for start, count in zip(starts, counts)]
 
 
-def split_into_parts(model: nn.Module, plan: Plan, pp: int, pp_rank: int, options) -> list[nn.Module]:
+def split_into_parts(model: nn.Module, plan: Plan, pp: int, pp_rank: int, options, tp: int = 1) -> list[nn.Module]:
     split = stage_blocks(model, plan, pp, options)
-    return [split_part(model, plan, split[stage], stage, len(split))
+    sequence_split = tp if options.sequence_parallel else 1
+    return [split_part(model, plan, split[stage], stage, len(split), sequence_split)
             for stage in stages_of_rank(pp_rank, pp, options.pp_stages_per_rank, options.pp_schedule)]
 
 
@@ -363,12 +376,12 @@ class Pipeline:
         return tokens, hidden.to(self.param_dtype).requires_grad_(), logits.to(self.param_dtype).requires_grad_()
 
     def _embed_on_meta(self, tokens):
-        embed = self.stages.embed or (lambda m, x: _run_in_turn(m, self.stages.first, x))
+        embed, _, _ = stage_functions(self.stages)
         with torch.no_grad():
-            return embed(self.whole, tokens)
+            return embed(self.whole, tokens, None)
 
     def _head_on_meta(self, hidden):
-        head = self.stages.head or (lambda m, h: _run_in_turn(m, self.stages.last, h))
+        _, _, head = stage_functions(self.stages)
         with torch.no_grad():
             return head(self.whole, hidden)
 

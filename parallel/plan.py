@@ -28,19 +28,22 @@ class Stages:
     before the blocks: the embedding), the last also holds `last` (what runs after
     them: final norm and output projection). A stage computes, on what it holds:
 
-        h = embed(model, tokens)          first stage only
-        h = block(model, module, h)       for each of its blocks, in order
-        logits = head(model, h)           last stage only
+        h = embed(model, tokens, positions)        first stage only
+        h = block(model, module, h, positions)     for each of its blocks, in order
+        logits = head(model, h)                    last stage only
 
     where `model` is the stage's copy of the model: every module it does not hold is
-    gone, buffers (RoPE tables, say) stay. The defaults call the `first` modules one
+    gone, buffers (RoPE tables, say) stay. `positions` is each local token's position in
+    its sequence under context parallelism (cp > 1, where a rank holds two chunks of every
+    sequence), and None otherwise, meaning 0, 1, ...: what the model's own
+    forward(tokens, positions=None) takes. The defaults call the `first` modules one
     after the other on the tokens, each block on the hidden state alone, and the `last`
-    modules one after the other."""
+    modules one after the other; they ignore `positions`."""
 
     first: tuple[str, ...]
     last: tuple[str, ...]
-    embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
-    block: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor] | None = None
+    embed: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    block: Callable[[nn.Module, nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     head: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
@@ -65,6 +68,10 @@ class Plan:
     prefetch_order: tuple[str, ...] | None = None
     # How the model splits into pipeline stages; None refuses pp > 1.
     stages: Stages | None = None
+    # Path glob of the attention cores: modules called as core(q, k, v) on (batch, heads,
+    # seq, head_dim) tensors that return causal softmax attention. With cp > 1 the engine
+    # attends across the cp ranks in their place (parallel/context.py); None refuses cp > 1.
+    attention: str | None = None
 
 
 PLANS: dict[str, Plan] = {}

@@ -42,27 +42,30 @@ def describe_auto(spec: MeshSpec) -> str:
 def resolve_reshard(setting, spec: MeshSpec, local_world_size: int | None = None) -> bool | int:
     """Turn the config value (true, false, an integer or "auto") into what FSDP takes.
 
-    An integer k must divide the FSDP shard size (dp). k == dp is plain True, and
-    k == 1 keeps the whole parameter, which is False. "auto" picks the ranks of the
-    shard group that share a node: LOCAL_WORLD_SIZE / tp, since tp is innermost.
+    An integer k must divide the FSDP shard size (dp, times cp when there is one). k equal
+    to it is plain True, and k == 1 keeps the whole parameter, which is False. "auto" picks
+    the ranks of the shard group that share a node: LOCAL_WORLD_SIZE / tp, since tp is
+    innermost.
     """
     if isinstance(setting, bool):
         return setting
+    shard = spec.shard_size
     if setting == "auto":
         setting = max(1, (local_world_size or ranks_per_node(spec)) // spec.tp)
-        while spec.dp % setting:
+        while shard % setting:
             setting -= 1
-        if setting == 1 and spec.dp > 1:
+        if setting == 1 and shard > 1:
             return True  # no two shard ranks share a node: reshard fully
     if not isinstance(setting, int) or isinstance(setting, bool):
         raise UserError(f"parallel.reshard_after_forward is {setting!r}; use true, false, auto or an integer.")
-    if setting < 1 or spec.dp % setting:
-        divisors = [d for d in range(1, spec.dp + 1) if spec.dp % d == 0]
+    if setting < 1 or shard % setting:
+        divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+        what = f"dp={spec.dp}" if spec.cp == 1 else f"dp x cp = {shard}"
         raise UserError(
-            f"parallel.reshard_after_forward={setting} must divide the FSDP shard size dp={spec.dp} "
+            f"parallel.reshard_after_forward={setting} must divide the FSDP shard size {what} "
             f"of --mesh {spec}: the parameters are resharded onto groups of that many ranks after "
             f"forward. Use one of {divisors}, true, false or auto.")
-    if setting == spec.dp:
+    if setting == shard:
         return True
     if setting == 1:
         return False
@@ -76,11 +79,11 @@ def needs_own_post_forward_mesh(reshard: bool | int, spec: MeshSpec) -> bool:
 
 
 def build_post_forward_mesh(dims: ParallelDims, k: int) -> DeviceMesh:
-    """(pp, hsdp*dp/k, k, tp) over the whole world, built identically on every rank, and
-    this rank's (hsdp*dp/k, k, tp) slice of it. Rank order matches (pp, hsdp, dp, tp), so
-    each post_shard row is k consecutive members of one FSDP shard group."""
+    """(pp, hsdp*dp*cp/k, k, tp) over the whole world, built identically on every rank, and
+    this rank's (hsdp*dp*cp/k, k, tp) slice of it. Rank order matches (pp, hsdp, dp, cp,
+    tp), so each post_shard row is k consecutive members of one FSDP shard group (dp x cp)."""
     check_supported()
     spec = dims.spec
-    world = init_device_mesh(dims.device_type, (spec.pp, spec.hsdp * spec.dp // k, k, spec.tp),
+    world = init_device_mesh(dims.device_type, (spec.pp, spec.hsdp * spec.shard_size // k, k, spec.tp),
                              mesh_dim_names=("pp", *POST_FORWARD_DIMS))
     return world[POST_FORWARD_DIMS]

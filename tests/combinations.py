@@ -20,8 +20,9 @@ FACTORS: dict[str, tuple] = {
     # Pipeline parallel at pp=2, by schedule: one of each kind (one stage per rank; looped,
     # 2 stages per rank; V-shaped zero bubble, 2 per rank). The stages per rank follow from
     # the schedule. GPipe and InterleavedZeroBubble have parity rows of their own
-    # (tests/test_pipeline.py): as values here they would take the matrix from 21 to 30 rows.
+    # (tests/test_pipeline.py), so as values here they would only add rows.
     "pipeline": ("off", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
+    "context_parallel": (False, True),
     "sequence_parallel": (False, True),
     "loss_parallel": (False, True),
     "activation_checkpoint": ("none", "full", "selective", "op"),
@@ -44,8 +45,18 @@ MESHES = {
     "dp-tp": ("dp=2,tp=2", "dp=4,tp=2"),
     "hsdp-dp-tp": ("hsdp=2,dp=2,tp=2", "hsdp=2,dp=4,tp=2"),
 }
-# With pp=2, each kind at 4 ranks: pp takes the place of one dimension of size 2.
+# With context parallel, the same ranks with cp=2 taken out of dp (the FSDP shard group,
+# dp x cp, keeps its size).
+CP_MESHES = {
+    "dp": ("dp=2,cp=2", "dp=2,cp=2"),
+    "hsdp": ("hsdp=2,cp=2", "hsdp=2,dp=2,cp=2"),
+    "dp-tp": ("cp=2,tp=2", "dp=2,cp=2,tp=2"),
+    "hsdp-dp-tp": ("hsdp=2,cp=2,tp=2", "hsdp=2,dp=2,cp=2,tp=2"),
+}
+# With pp=2, each kind at 4 ranks: pp takes the place of one dimension of size 2; with cp
+# too, cp the place of the other (FSDP then shards over the 2 cp ranks).
 PIPELINE_MESHES = {"dp": "pp=2,dp=2", "hsdp": "pp=2,hsdp=2", "dp-tp": "pp=2,tp=2"}
+PIPELINE_CP_MESHES = {"dp": "pp=2,cp=2"}
 LAYERS, PIPELINE_LAYERS, STEPS = 2, 4, 3  # 4 blocks: 2 stages per rank at pp=2 need 4 stages
 ZERO_BUBBLE = ("ZBVZeroBubble",)
 
@@ -57,8 +68,9 @@ def allowed(row: dict) -> bool:
     included, is still covered.
 
     Pipeline rows keep to 4 ranks, so they leave out hsdp x dp x tp and an integer reshard
-    (which needs dp=4): pp=2,dp=2,tp=2 and pp=2,dp=4 with reshard 2 are parity rows of
-    their own in tests/test_pipeline.py. What the engine refuses is left out too: a
+    (which needs dp=4), and with context parallel every mesh kind but dp (pp=2,cp=2):
+    pp=2,dp=2,tp=2 and pp=2,dp=4 with reshard 2 are parity rows of their own in
+    tests/test_pipeline.py. What the engine refuses is left out too: a
     zero-bubble schedule with a reshard after forward, with compile or with op-level
     activation checkpointing, and 1F1B with fewer micro-batches than stages
     (parallel/pipeline.py: check_settings)."""
@@ -71,6 +83,8 @@ def allowed(row: dict) -> bool:
     if pipeline == "off":
         return True
     if row.get("mesh") == "hsdp-dp-tp" or row.get("reshard_after_forward") == "2":
+        return False
+    if row.get("context_parallel") and row.get("mesh", "dp") != "dp":
         return False
     if pipeline in ZERO_BUBBLE and (row.get("reshard_after_forward", "false") != "false" or row.get("compile")
                                     or row.get("activation_checkpoint") == "op"):
@@ -116,8 +130,8 @@ def generate(candidates: int = 40) -> list[dict]:
 
 def mesh_of(row: dict) -> str:
     if row["pipeline"] != "off":
-        return PIPELINE_MESHES[row["mesh"]]
-    return MESHES[row["mesh"]][row["reshard_after_forward"] == "2"]
+        return (PIPELINE_CP_MESHES if row["context_parallel"] else PIPELINE_MESHES)[row["mesh"]]
+    return (CP_MESHES if row["context_parallel"] else MESHES)[row["mesh"]][row["reshard_after_forward"] == "2"]
 
 
 def layers_of(row: dict) -> int:

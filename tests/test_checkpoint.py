@@ -9,6 +9,7 @@ at that step; the exported weights must equal the DCP ones bitwise.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from engine.data.sources import CorpusSource, local_batch
 from engine.train import loss_fn
 from models import build_on_meta
 from tests.distributed import REPO, cpu_env, launcher, torchrun
-from tests.test_cli import assert_clean_error, assert_refused, losses
+from tests.test_cli import assert_clean_error, assert_refused, losses, refused
 
 STEPS, EVERY, MESH = 6, 3, "dp=2,tp=2"
 
@@ -116,31 +117,64 @@ def test_reshard_first_loss_matches(reference, tmp_path, mesh):
     assert abs(first["loss"] - expected) <= 1e-5
 
 
-@pytest.fixture(scope="module")
-def eight_rank_source(tmp_path_factory):
-    """The issue's source layout: dp=4,tp=2 on 8 ranks, 3 steps, a checkpoint at step 2."""
+def three_step_source(tmp_path_factory, mesh: str) -> Path:
+    """A run of 3 steps on `mesh` with a checkpoint at step 2."""
     source = tmp_path_factory.mktemp("source")
-    saved = launcher("--mesh", "dp=4,tp=2", "--set", "training.steps=3", "--set", "checkpoint.every=2",
+    saved = launcher("--mesh", mesh, "--set", "training.steps=3", "--set", "checkpoint.every=2",
                      "--set", f"run.dir={source}")
     assert saved.returncode == 0, saved.stderr[-3000:]
     return source
+
+
+def load_step_2(source: Path, source_mesh: str, mesh: str, run_dir: Path) -> str:
+    """Resume `source`'s step-2 checkpoint on `mesh`: the first loss after loading must equal
+    the source's own loss at that step within 1e-5. Returns the run's output."""
+    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(source, 2)), "--set", "training.steps=3",
+                      "--set", f"run.dir={run_dir}")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    ours, expected = losses(run_dir)[0], losses(source)[2]
+    print(f"{source_mesh} -> {mesh}: first loss after loading {ours!r}, reference {expected!r}, "
+          f"diff {abs(ours - expected):.2e}")
+    assert abs(ours - expected) <= 1e-5
+    return loaded.stdout
+
+
+@pytest.fixture(scope="module")
+def eight_rank_source(tmp_path_factory):
+    """The issue's source layout: dp=4,tp=2 on 8 ranks."""
+    return three_step_source(tmp_path_factory, "dp=4,tp=2")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mesh,data_change", [("dp=2,tp=4", "4 -> 2"), ("dp=8", "4 -> 8"),
                                               ("hsdp=2,dp=2,tp=2", None), ("dp=1", "4 -> 1")])
 def test_reshard_from_eight_ranks(eight_rank_source, tmp_path, mesh, data_change):
-    """dp=4,tp=2 loaded at each of the issue's four targets: the first loss after loading
-    equals the source's own loss at that step within 1e-5."""
-    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(eight_rank_source, 2)),
-                      "--set", "training.steps=3", "--set", f"run.dir={tmp_path}")
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    """dp=4,tp=2 loaded at each of the issue's four targets."""
+    output = load_step_2(eight_rank_source, "dp=4,tp=2", mesh, tmp_path)
     if data_change:
-        assert f"data-parallel size {data_change}" in loaded.stdout
-    ours, expected = losses(tmp_path)[0], losses(eight_rank_source)[2]
-    print(f"dp=4,tp=2 -> {mesh}: first loss after loading {ours!r}, reference {expected!r}, "
-          f"diff {abs(ours - expected):.2e}")
-    assert abs(ours - expected) <= 1e-5
+        assert f"data-parallel size {data_change}" in output
+
+
+@pytest.fixture(scope="module")
+def context_parallel_source(tmp_path_factory):
+    """Context parallel at 2: each rank holds half of every sequence."""
+    return three_step_source(tmp_path_factory, "cp=2")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["cp=4", "dp=2"])
+def test_reshard_between_context_parallel_degrees(context_parallel_source, tmp_path, mesh):
+    """A cp=2 checkpoint loaded at cp=4 and without cp: parameters are sharded over dp x cp,
+    so DCP maps them like any other shard."""
+    load_step_2(context_parallel_source, "cp=2", mesh, tmp_path)
+
+
+def test_long_context_flavors_load_the_short_flavors_checkpoints():
+    """8B-128K and 70B-128K hold the same tensors as 8B and 70B (only positions and rope
+    scaling differ), so the short flavors' checkpoints and exports load into them."""
+    from engine.checkpoint.store import state_dict_shapes
+    for short, long in (("8B", "8B-128K"), ("70B", "70B-128K"), ("8B", "8B-1M")):
+        assert state_dict_shapes(build_on_meta("llama", short)) == state_dict_shapes(build_on_meta("llama", long))
 
 
 def test_export_loads_into_plain_model(reference, tmp_path):
@@ -226,14 +260,101 @@ def test_unreadable_checkpoint_metadata(reference, tmp_path):
                    "unreadable meta.json")
 
 
-@pytest.mark.distributed
-def test_damaged_checkpoint_data(reference, tmp_path):
-    folder = copy_checkpoint(reference, tmp_path)
+def truncate_shard(folder: Path) -> str:
     shard = folder / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
+    return r"__1_0\.distcp: holds 1,000 bytes, but \.metadata places data up to byte [\d,]+: the file was cut short"
+
+
+def remove_shard(folder: Path) -> str:
+    (folder / "__2_0.distcp").unlink()
+    return r"__2_0\.distcp: missing"
+
+
+def garble_metadata(folder: Path) -> str:
+    metadata = folder / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:50] + b"\x00garbage")
+    return r"\.metadata: not a readable pickle \(\w+Error: \S"
+
+
+def empty_folder(folder: Path) -> str:
+    for path in folder.iterdir():
+        path.unlink()
+    return r"is not a complete checkpoint \(no COMPLETE, meta\.json, \.metadata\)"
+
+
+def zero_shard(folder: Path) -> str:
+    """Same size, all zeros: only reading it shows the damage, so the ranks find it."""
+    shard = folder / "__1_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    return r"__1_0\.distcp: \w+Error: \S"  # what torch says of it varies; the file is named
+
+
+DAMAGE = [truncate_shard, remove_shard, garble_metadata, empty_folder]
+
+
+def damaged_run(reference, tmp_path, damage) -> tuple[Path, str, bytes]:
+    """A copy of the reference run folder whose newest checkpoint (step 6) is damaged;
+    returns it, a pattern of the cause the error must name, and a fingerprint of what is left."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
+    newest = checkpoint(run_dir, STEPS)
+    cause = damage(newest)
+    return run_dir, cause, fingerprint(newest)
+
+
+def fingerprint(folder: Path) -> bytes:
+    return b"".join(p.name.encode() + p.read_bytes() for p in sorted(folder.iterdir()))
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda d: d.__name__)
+def test_damaged_newest_checkpoint_is_passed_over_before_any_process_group(reference, tmp_path, damage):
+    """resume=auto: the launcher's checks pick step 3 and say why step 6 was passed over;
+    the same folder named with --resume exits 2, naming the file and the cause."""
+    from launch.run import check, find_checkpoint, parse_args
+
+    run_dir, cause, before = damaged_run(reference, tmp_path, damage)
+    args = parse_args(run_args(run_dir, MESH, "--set", "training.steps=8"))
+    cfg, _ = check(args, None)
+    chosen = find_checkpoint(cfg)
+    assert chosen.folder == checkpoint(run_dir, 3)
+    assert [path for path, _ in chosen.skipped] == [str(checkpoint(run_dir, STEPS))]
+    assert re.search(cause, chosen.skipped[0][1]), chosen.skipped
+    message = refused(*run_args(tmp_path / "other", MESH, "--resume", str(checkpoint(run_dir, STEPS))))
+    assert re.search(cause, message) and str(checkpoint(run_dir, STEPS)) in message, message
+    assert message.endswith("Resume from an earlier checkpoint with --resume FOLDER.")
+    print(f"{damage.__name__}, --resume: exit 2: {message}")
+    assert fingerprint(checkpoint(run_dir, STEPS)) == before  # nothing read or changed there
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("damage", [truncate_shard, zero_shard], ids=lambda d: d.__name__)
+def test_damaged_newest_checkpoint_falls_back_and_repeats_the_losses(reference, tmp_path, damage):
+    """The run resumes from step 3 with one warning line naming both folders, repeats the
+    reference's steps 3..5 bitwise, and keeps the damaged folder as step-6.unreadable. A
+    truncated shard is found before any process group, a zeroed one by the ranks' read."""
+    run_dir, cause, before = damaged_run(reference, tmp_path, damage)
+    result = launcher(*run_args(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, result.stdout
+    assert str(checkpoint(run_dir, STEPS)) in warnings[0] and str(checkpoint(run_dir, 3)) in warnings[0]
+    assert re.search(cause, warnings[0]), warnings[0]
+    assert f"resumed from {checkpoint(run_dir, 3)}" in result.stdout
+    assert losses(run_dir) == losses(reference)[EVERY:]
+    kept = checkpoint(run_dir, STEPS).with_name(step_name(STEPS) + ".unreadable")
+    assert fingerprint(kept) == before
+    print(f"{damage.__name__}: exit {result.returncode}: {warnings[0]}")
+
+
+@pytest.mark.distributed
+def test_named_checkpoint_that_the_ranks_cannot_read_exits_2(reference, tmp_path):
+    folder = copy_checkpoint(reference, tmp_path)
+    cause = zero_shard(folder)
     result = launcher(*run_args(tmp_path / "run", "dp=1", "--resume", str(folder)))
     # Found by the rank, not the launcher: the launcher prints the rank's paragraph once.
-    assert_clean_error(result, f"checkpoint '{folder}' could not be read")
+    assert_clean_error(result, f"checkpoint '{folder}' cannot be read: ", "Resume from an earlier")
+    assert re.search(cause, result.stderr), result.stderr
 
 
 def test_checkpoint_of_another_flavor(reference, tmp_path):

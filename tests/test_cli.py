@@ -41,7 +41,7 @@ def assert_clean_error(result, *fragments):
 
 
 BAD_INPUT = [
-    (["--mesh", "dp=4,cp=2"], ["unknown dimension 'cp'", "pp, hsdp, dp, tp"]),
+    (["--mesh", "dp=4,ep=2"], ["unknown dimension 'ep'", "pp, hsdp, dp, cp, tp"]),
     (["--mesh", "dp=4,tp"], ["cannot read 'tp'"]),
     (["--mesh", "dp=0,tp=2"], ["dp=0 is not a valid size"]),
     (["--mesh", "dp=2,dp=2"], ["given twice"]),
@@ -62,6 +62,17 @@ BAD_INPUT = [
     (["--parity", "--set", "parity.reference=false"], ["nothing to compare with", "parity.check_against"]),
     (["--parity", "--set", "parity.check_against=missing.json"], ["'missing.json' does not exist"]),
     (["--parity", "--set", "optim.name=lion"], ["accepted values: adamw, sgd"]),
+    (["--mesh", "cp=2", "--set", "training.seq_len=62"], ["does not split into 2 x cp = 4 equal chunks",
+                                                          "multiple of 4"]),
+    (["--mesh", "cp=2,tp=4", "--set", "parallel.sequence_parallel=true", "--set", "training.seq_len=12"],
+     ["leaves each of cp=2 ranks 6 tokens", "tp=4"]),
+    (["--mesh", "dp=2,cp=2", "--set", "parallel.reshard_after_forward=3"], ["FSDP shard size dp x cp = 4"]),
+    (["--mesh", "cp=2", "--set", "model.plugin=examples.plain_model", "--set", "model.name=plain",
+      "--set", "model.flavor=tiny", "--set", "parallel.plan=plain"], ["plan 'plain' names no attention core",
+                                                                        "attention="]),
+    (["--mesh", "cp=2", "--set", "model.plugin=tests.context_plans", "--set", "model.name=plain",
+      "--set", "model.flavor=tiny", "--set", "parallel.plan=plain_attention"],
+     ["PlainLM.forward takes no `positions`"]),
 ]
 
 

@@ -19,7 +19,7 @@ def test_every_pair_of_values_appears_in_some_row():
     covered = set().union(*(_pairs(row) for row in ROWS))
     assert set(all_pairs()) <= covered
     assert all(allowed(row) for row in ROWS)
-    assert (len(ROWS), len(all_pairs())) == (23, 617)  # docs/parallelism.md quotes both
+    assert (len(ROWS), len(all_pairs())) == (23, 691)  # docs/parallelism.md quotes both
 
 
 def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
@@ -68,7 +68,8 @@ def test_integer_reshard_really_reshards_onto_groups_of_two(row_report, index):
     with tp. The layout an integer reshard promises, read from the first block."""
     row = ROWS[index]
     sizes = dict(item.split("=") for item in mesh_of(row).split(","))
-    tp, groups = int(sizes.get("tp", 1)), int(sizes.get("hsdp", 1)) * int(sizes["dp"]) // 2
+    tp = int(sizes.get("tp", 1))
+    groups = int(sizes.get("hsdp", 1)) * int(sizes.get("dp", 1)) * int(sizes.get("cp", 1)) // 2
     mesh, placements, local_shape = row_report(index)[0]["post_forward_layout"]["attention.wq.weight"]
     assert local_shape == [256 // tp // 2, 256]  # tp splits the rows, the group of 2 halves them again
     if tp == 1:

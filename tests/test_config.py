@@ -33,7 +33,7 @@ def test_yaml_text_that_is_a_number_where_one_is_expected():
     ("training.steps=three", "training.steps must be of type int, but got 'three'"),
     ("training.steps=2.5", "training.steps must be of type int"),
     ("training.steps=true", "training.steps must be of type int"),
-    ("training.steps=0", "must be positive"),
+    ("training.steps=0", "training.steps must be a whole number above 0, but got 0"),
     ("parallel.device=tpu", "accepted values: auto, cpu, cuda"),
     ("training.steps", "expected section.key=value"),
 ])

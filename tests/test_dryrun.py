@@ -32,6 +32,8 @@ LAYOUTS = [
     ("dp=2,tp=2", [BATCH, "parallel.activation_checkpoint=op", "parallel.param_dtype=bfloat16"]),
     ("dp=2,tp=2", [BATCH, "training.micro_batches=2", "parallel.reshard_after_forward=2"]),
     ("dp=4", [BATCH, "model.flavor=debug_tied", "parallel.activation_checkpoint=full"]),
+    ("dp=2,cp=2", [BATCH]),
+    ("cp=2,tp=2", [BATCH, "parallel.sequence_parallel=true", "parallel.activation_checkpoint=full"]),
     # Pipeline parallel: every stage role simulated, point-to-point messages counted.
     ("pp=2,dp=2", [BATCH, "training.micro_batches=2"]),
     ("pp=4", [BATCH, "training.micro_batches=4"]),
@@ -61,7 +63,7 @@ def test_dry_run_matches_a_real_run(observations, index):
     # Roles are named by ranks of the first hsdp replica of each pipeline stage; the other
     # replicas hold the same shards.
     spec = parse_mesh(predicted["mesh"]).resolve(WORLD)
-    stage_size, replica_size = WORLD // spec.pp, spec.dp * spec.tp
+    stage_size, replica_size = WORLD // spec.pp, spec.dp * spec.cp * spec.tp
     role_of = {rank: role for role in predicted["roles"] for rank in role["ranks"]}
     assert {0, replica_size - 1} <= set(role_of)
     for rank, real in measured.items():
@@ -179,9 +181,12 @@ def test_dry_run_of_every_combination_row(combination_reports, index):
         return
     assert result.returncode == 0 and report is not None, result.stderr[-3000:]
     assert report["rank0"]["peak_bytes"] > report["rank0"]["param_bytes"] > 0
-    if parse_mesh(report["mesh"]).dp > 1:  # pipeline rows at pp=2,hsdp=2 and pp=2,tp=2 have no dp
-        assert report["comm"]["dp"]["forward"]["all_gather"]["count"] > 0
+    spec = parse_mesh(report["mesh"])
+    fsdp = "dp_cp" if row["context_parallel"] else "dp"  # FSDP shards over dp x cp
+    if spec.shard_size > 1:  # pipeline rows at pp=2,hsdp=2 and pp=2,tp=2 shard over no rank
+        assert report["comm"][fsdp]["forward"]["all_gather"]["count"] > 0
     assert ("tp" in report["comm"]) == ("tp" in report["mesh"])
+    assert ("cp" in report["comm"]) == row["context_parallel"]
     assert ("pp" in report["comm"]) == (row["pipeline"] != "off")
     if row["pipeline"] != "off":
         assert report["pipeline"]["roles"][0]["p2p"]["send"]["count"] > 0
@@ -244,6 +249,19 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     trained = launcher(*args, "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: 1 steps" in trained.stdout
+
+
+def test_plan_for_searches_context_parallel_for_long_sequences(tmp_path):
+    """At 16,384 tokens, cp=2 leaves each rank 8,192 (engine/dryrun/search.py: CP_MIN_TOKENS),
+    cp=4 would leave 4,096: the search offers the first and not the second, and ranks the
+    cp layouts with the others."""
+    report = tmp_path / "plan.json"
+    result = launcher("--plan-for", "--world", "4", "--set", "model.flavor=debug-32K", "--set", "training.seq_len=16384",
+                      "--set", "training.global_batch=2", "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    meshes = [layout["mesh"] for layout in json.loads(report.read_text())["layouts"]]
+    assert any("cp=2" in mesh for mesh in meshes) and not any("cp=4" in mesh for mesh in meshes), meshes
+    assert any("cp=" not in mesh for mesh in meshes), meshes
 
 
 GPT2 = ["--set", "model.plugin=examples.gpt2_plan", "--set", "model.name=gpt2", "--set", "model.flavor=debug",

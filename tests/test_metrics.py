@@ -54,8 +54,9 @@ def test_peak_table(name, peak):
 
 
 @pytest.mark.parametrize("override,fragment", [
-    ("prefetch.forward=-1", "prefetch.forward must be 0 or more (0 keeps FSDP2's implicit behaviour)"),
-    ("training.micro_batches=0", "training.micro_batches must be positive"),
+    ("prefetch.forward=-1", "prefetch.forward must be a whole number at least 0 (0 keeps FSDP2's implicit "
+                              "behaviour)"),
+    ("training.micro_batches=0", "training.micro_batches must be a whole number above 0"),
     ("metrics.tensorboard=maybe", "metrics.tensorboard must be of type bool"),
 ])
 def test_loop_keys_are_checked(override, fragment):

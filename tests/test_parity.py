@@ -1,6 +1,7 @@
 """`launch/run.py --parity` on what the combination matrix (tests/test_combinations.py)
-does not vary: other models (tied embeddings, GPT-2 through its user plan), a shard
-group of one (hsdp x tp), a planted bug, and golden trajectories.
+does not vary: other models (tied embeddings, GPT-2 through its user plan, also with
+context parallel), a shard group of one (hsdp x tp), context parallel at 4, a planted
+bug, and golden trajectories.
 
 Each row is one real launch (torchrun over gloo on the CPU, 4 or 8 ranks) run once per
 session and shared by the tests below. Besides the command's own verdict, each row is
@@ -29,6 +30,10 @@ MATRIX = {
     "tied-embeddings-tp": ("dp=2,tp=2", ("model.flavor=debug_tied",)),
     "gpt2-user-plan": ("dp=2,tp=2", GPT2),
     "hsdp-tp-sp-dp1": ("hsdp=2,tp=2", ("parallel.sequence_parallel=true",)),
+    # Context parallel at 4: each rank holds 2 of 8 chunks (the matrix runs cp=2).
+    "cp-4": ("cp=4", ("parity.layers=2",)),
+    # A model and plan added through the plan API get context parallel from Plan.attention.
+    "gpt2-user-plan-cp": ("cp=2", GPT2),
 }
 
 
@@ -87,3 +92,15 @@ def test_planted_bug_fails_and_the_localizer_names_the_module(reports):
     assert first["what"] == "parameter gradient"
     # Every forward output and input gradient agreed; only the norms' weight gradients differ.
     assert {f["module"].split(".", 2)[-1] for f in report["localizer"]["differing"]} == {"attention_norm"}
+
+
+@pytest.mark.distributed
+def test_planted_context_parallel_bug_is_localized(reports):
+    """A model that drops the positions context parallel passes it: each cp rank's chunks
+    get the positions of a sequence's start. The localizer compares each rank's chunks
+    with the reference's and names the position embedding."""
+    report, code = reports("cp=2", "model.plugin=tests.planted_cp_bug", "model.name=gpt2_position_blind",
+                           "parallel.plan=gpt2")
+    assert (code, report["verdict"]) == (1, "FAIL")
+    first = report["localizer"]["first"]
+    assert (first["module"], first["what"]) == ("wpe", "output"), report["localizer"]

@@ -180,7 +180,7 @@ def test_check_data_names_the_folder_and_the_fix(tmp_path):
         (["data.path=" + str(tmp_path / "wide")], ["wide", "vocabulary 512", "vocabulary of 256"]),
         (["data.path=" + str(tmp_path / "small")], ["small", "5 tokens", "training.seq_len + 1 = 9"]),
         ([f"data.path={tmp_path / 'small'},{tmp_path / 'small'}", "data.weights=1,2,3"], ["one weight per folder"]),
-        (["data.path=" + str(tmp_path / "small"), "data.holdout=1.0"], ["data.holdout=1.0", "[0, 1)"]),
+        (["data.path=" + str(tmp_path / "small"), "data.holdout=1.0"], ["data.holdout", "in [0, 1)", "got 1.0"]),
         (["data.path=" + str(tmp_path / "ok"), "data.holdout=0.95"], ["leaves no training window", "ok"]),
         (["data.path=" + str(tmp_path / "ok"), "eval.every=2"], ["eval.path is empty"]),
         (["data.path=" + str(tmp_path / "ok"), f"eval.path={tmp_path / 'wide'}"], ["eval.path folder", "512"]),
@@ -189,7 +189,7 @@ def test_check_data_names_the_folder_and_the_fix(tmp_path):
     ]
     for overrides, fragments in cases:
         with pytest.raises(UserError) as err:
-            check_data(config(*overrides), 256)
+            check_data(config(*overrides), 256)  # a data.holdout outside [0, 1) stops in config() already
         for fragment in fragments:
             assert fragment in str(err.value), (overrides, str(err.value))
     check_data(config(f"data.path={tmp_path / 'ok'}", "data.holdout=0.1", "eval.every=2"), 256)
@@ -272,3 +272,86 @@ def test_training_reads_a_prepared_folder(tmp_path):
     assert "Traceback" not in result.stderr
     assert "mesh dp=2 on 2 ranks" in result.stdout
     assert "step 3/3 | loss" in result.stdout, result.stdout[-2000:]
+
+
+def folder_with_foreign_id(path, position: int = 700, token: int = 60000, tokens: int = 1000) -> Path:
+    """A byte-vocabulary folder (index.json: 256) whose tokens.bin holds `token` at `position`."""
+    ids = np.arange(tokens) % 256
+    ids[position] = token
+    return write_token_folder(path, [ids], 256)
+
+
+def test_a_window_with_an_id_outside_the_vocabulary_is_refused_as_it_is_read(tmp_path):
+    from engine.data.token_file import OutOfVocabulary
+    folder = folder_with_foreign_id(tmp_path / "bad")
+    source = TokenSource([folder], 0, 4, 32, model_vocab=256)
+    with pytest.raises(OutOfVocabulary) as err:
+        for step in range(8):  # 31 windows: each is read within 8 steps of 4
+            local_batch(source, step, 4, 32)
+    assert (f"data.path folder '{folder}': token 700 of tokens.bin is id 60,000, outside the model's "
+            f"vocabulary of 256 (ids 0 to 255)") in str(err.value)
+    assert f"launch/prepare.py --check {folder} --vocab-size 256" in str(err.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [[], ["--parity"]], ids=["train", "parity"])
+def test_an_id_outside_the_vocabulary_stops_every_rank_with_exit_2(tmp_path, mode):
+    """Every window of the folder is in step 0's batch, split over 2 data ranks: the ranks
+    agree before any forward, and all leave with the same paragraph."""
+    folder = folder_with_foreign_id(tmp_path / "bad")
+    result = launcher("--mesh", "dp=2", *mode, "--set", "data.source=tokens", "--set", f"data.path={folder}",
+                      "--set", "training.seq_len=64", "--set", "training.steps=2", "--set", "parity.steps=2",
+                      "--set", f"run.dir={tmp_path / 'run'}", timeout=300)
+    from tests.test_cli import assert_clean_error
+    assert_clean_error(result, f"data.path folder '{folder}': token 700 of tokens.bin is id 60,000, outside the "
+                               f"model's vocabulary of 256")
+    print(f"{mode or 'train'}: exit {result.returncode}: {result.stderr.strip()}")
+
+
+def test_prepare_check_scans_a_folder_in_bounded_memory(tmp_path):
+    """A 512 MiB tokens.bin (sparse zeros) with one foreign id near its end: --check finds it
+    and names it; the scanning process stays far below the file's size."""
+    import subprocess
+    import sys
+
+    from tests.distributed import REPO
+    folder = tmp_path / "big"
+    folder.mkdir()
+    tokens = 1 << 28  # uint16: 512 MiB
+    with open(folder / "tokens.bin", "wb") as f:
+        f.truncate(tokens * 2)
+        f.seek((tokens - 5) * 2)
+        f.write(np.asarray([60000], dtype="<u2").tobytes())
+    np.save(folder / "documents.npy", np.asarray([0, tokens], dtype=np.int64))
+    (folder / "index.json").write_text(json.dumps({
+        "format": FORMAT, "version": VERSION, "dtype": "uint16", "tokens": tokens, "documents": 1,
+        "tokenizer": {"kind": "bytes", "identity": "bytes", "vocab_size": 256, "eos_id": 0}, "sources": []}))
+    # The process's own peak (VmHWM; a child's ru_maxrss would count the forked pytest too).
+    measured = ("import sys; sys.path.insert(0, sys.argv[1]); from launch.prepare import main; code = main(sys.argv[2:]); "
+                "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))); sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", measured, str(REPO), "--check", str(folder)],
+                            capture_output=True, text=True, env=cpu_env(), timeout=300)
+    stderr, peak_mb = result.stderr, int(result.stdout.split()[-1]) / 1024
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith("error: prepared folder") and f"token {tokens - 5:,} of tokens.bin is id 60,000" \
+        in message and f"1 of its {tokens:,} ids is outside it" in message, stderr
+    print(f"--check of a 512 MiB tokens.bin: peak RSS {peak_mb:.0f} MB")
+    assert peak_mb < 150, f"--check peaked at {peak_mb:.0f} MB on a 512 MiB file"
+
+
+def test_prepare_check_accepts_a_good_folder_and_a_larger_model(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.distributed import REPO
+    folder = write_token_folder(tmp_path / "good", [np.arange(1000) % 256], 256)
+    for extra, vocabulary in (([], "its index.json's vocabulary of 256"), (["--vocab-size", "512"],
+                                                                          "the --vocab-size vocabulary of 512")):
+        result = subprocess.run([sys.executable, str(REPO / "launch" / "prepare.py"), "--check", str(folder), *extra],
+                                capture_output=True, text=True, env=cpu_env(), timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert f"checked {folder}: 1,000 tokens, every id inside {vocabulary}; the largest is 255" in result.stdout
+    smaller = subprocess.run([sys.executable, str(REPO / "launch" / "prepare.py"), "--check", str(folder),
+                              "--vocab-size", "100"], capture_output=True, text=True, env=cpu_env(), timeout=120)
+    assert smaller.returncode == 2 and "larger than --vocab-size 100" in smaller.stderr, smaller.stderr

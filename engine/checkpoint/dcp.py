@@ -21,10 +21,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from engine.checkpoint import store
-from engine.config import to_dict
-from engine.errors import UserError
+from engine.checkpoint import reader, store
 from engine.checkpoint.export import export_full, import_full
+from engine.checkpoint.reader import Unreadable, root_cause
+from engine.config import to_dict
+from engine.errors import UserError, raise_if_any_rank
 from parallel.pipeline import sync_tied_weights, whole_model
 
 
@@ -49,20 +50,28 @@ def _set_rng_state(state: tuple[bytes, bytes]) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(cuda), dtype=torch.uint8))
 
 
-def _root_cause(err: BaseException) -> str:
-    failures = getattr(err, "failures", None)
-    if failures:
-        rank, cause = next(iter(failures.items()))
-        if isinstance(cause, tuple):  # DCP keeps (exception, traceback frames) per rank
-            cause = cause[0]
-        return f"rank {rank}: {cause}"
-    return str(err)
+def agreed(decide, group=None):
+    """Rank 0's `decide()` on every rank, or the UserError it raised, raised on every rank:
+    files read by each rank could differ between ranks (a save, a copy, a disk going bad)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, decide())
+        except UserError as err:
+            box[0] = (False, str(err))
+    dist.broadcast_object_list(box, src=0, group=group)
+    decided, value = box[0]
+    if not decided:
+        raise UserError(value)
+    return value
 
 
 class Checkpointer:
-    """Saves every `checkpoint.every` steps and at the end; resumes from `resume_from`."""
+    """Saves every `checkpoint.every` steps and at the end; resumes from `resume_from`
+    (agreed on by every rank), or from an older checkpoint of the run when that one's
+    data turns out unreadable."""
 
-    def __init__(self, cfg, dims, log, resume_from: Path | None):
+    def __init__(self, cfg, dims, log, resume_from: store.Resume | None):
         self.cfg = cfg
         self.dims = dims
         self.log = log
@@ -90,23 +99,46 @@ class Checkpointer:
                 self.log.print(f"weights from {self.cfg.checkpoint.init_from} (optimizer, schedule "
                                f"and data start fresh at step 0)")
             return 0
-        folder = self.resume_from
-        meta = store.read_meta(folder)
+        while True:
+            chosen = self.resume_from
+            try:
+                step = self._load(chosen.folder, chosen.meta)
+                break
+            except Unreadable as err:
+                if not chosen.fallback:
+                    raise
+                rest = store.Candidates(chosen.fallbacks, True, [*chosen.skipped, (str(chosen.folder), err.cause)])
+                shapes = store.state_dict_shapes(whole_model(model))
+                self.resume_from = agreed(lambda: store.choose(rest, to_dict(self.cfg), shapes,
+                                                               self.cfg.training.steps), self.group)
+        if chosen.skipped and self.rank == 0:
+            kept = store.set_aside(self.root, chosen.skipped, chosen.folder)
+            self.log.print(f"warning: {'; '.join(why for _, why in chosen.skipped)}; resumed from {chosen.folder} "
+                           f"instead, the newest checkpoint of this run that reads (kept "
+                           f"{', '.join(kept) or 'everything'} as it was; nothing was deleted)")
+        return step
+
+    def _load(self, folder: Path, meta: dict) -> int:
+        """Load one checkpoint into the model, optimizer, scheduler and RNG; returns its step."""
+        model, optimizer, scheduler = self.model, self.optimizer, self.scheduler
         same_world = meta["world_size"] == dist.get_world_size()
         # With another world size, rank numbers no longer name the same work: all take rank 0's.
         rng_owner = self.rank if same_world else 0
         state = self._state(0, rng_owner)
-        try:
-            dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
-        except CheckpointException as err:
-            raise UserError(f"checkpoint {str(folder)!r} could not be read ({_root_cause(err)}). "
-                            f"It is damaged; resume from an earlier folder with --resume FOLDER.") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=OPTIMIZER_BY_NAME)
-        sync_tied_weights(model)
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"][f"rank{rng_owner}"])
-        step = state["train"]["step"]
+        reader.load(state, folder, self.group)
+        step, problem = state["train"]["step"], None
+        try:  # values of the right types can still be wrong (an RNG state of another size), and each
+            # rank applies its own: the ranks agree on whether all of them could
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=OPTIMIZER_BY_NAME)
+            sync_tied_weights(model)
+            scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"][f"rank{rng_owner}"])
+            if step != meta["step"]:
+                raise ValueError(f"its data is at step {step} and its {store.META} at step {meta['step']}")
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as err:
+            problem = f"checkpoint {str(folder)!r} cannot be read: rank {self.rank}: {type(err).__name__}: {err}"
+        raise_if_any_rank(problem, self.group, Unreadable)
         saved_data, data = meta["data_size"], self.dims.data_size
         carried = ("same data-parallel size" if saved_data == data else
                    f"data-parallel size {saved_data} -> {data}: each data rank builds its own rows of "
@@ -178,7 +210,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # give back the space a full disk needs
         latest = store.latest(self.root)
         raise UserError(f"saving the checkpoint of step {step} to {str(partial)!r} failed "
-                        f"({_root_cause(err)}). The last complete checkpoint "
+                        f"({root_cause(err)}). The last complete checkpoint "
                         f"({latest or 'none yet'}) is untouched; free space or fix the folder, "
                         f"then resume with --resume.") from None
 

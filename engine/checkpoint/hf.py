@@ -246,9 +246,9 @@ def _load_distributed(targets: dict, folder: Path) -> None:
     try:
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=group)
     except CheckpointException as err:
-        from engine.checkpoint.dcp import _root_cause
+        from engine.checkpoint.reader import root_cause
         raise UserError(f"checkpoint.hf_import {str(folder)!r} could not be read "
-                        f"({_root_cause(err)}).") from None
+                        f"({root_cause(err)}).") from None
     finally:
         dist.destroy_process_group(group)
 

@@ -11,15 +11,24 @@ file moved over it with os.replace). Each move is atomic on a POSIX filesystem,
 so a save interrupted anywhere leaves `latest` naming the previous complete
 checkpoint. Nothing here needs a process group: the launcher checks a
 checkpoint before any rank starts one.
+
+Which checkpoint a run starts from (`find_resume`, `choose`): the run's own newest
+complete one that reads, falling back to older ones of the run when the newest is
+damaged (the damaged ones are set aside as `step-N.unreadable`, never deleted); a
+folder the user named (`resume_from`) must read as it is. `latest` may only name a
+step folder directly inside the run's checkpoints folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.checkpoint.reader import Unreadable, check_readable
 from engine.errors import UserError
 
 FOLDER = "checkpoints"
@@ -28,6 +37,8 @@ COMPLETE = "COMPLETE"
 META = "meta.json"
 PARTIAL = ".partial"
 DCP_METADATA = ".metadata"
+UNREADABLE = ".unreadable"
+_STEP_FOLDER = re.compile(r"step-\d{8}")
 
 # What step s means: its batch (seed, batch shape, data), the weights' shapes (model)
 # and the update rule (optim). Changing any of these makes a resumed run a different run.
@@ -78,20 +89,35 @@ def check_keys(found: dict[str, list[int]], expected: dict[str, list[int]], what
 
 
 def read_meta(folder: Path) -> dict:
-    """The meta.json of a complete checkpoint folder; a UserError if it is not one."""
+    """The meta.json of a complete checkpoint folder; Unreadable if it is not one."""
     if not folder.is_dir():
-        raise UserError(f"checkpoint folder {str(folder)!r} does not exist. Give a folder "
-                        f"like RUN_DIR/{FOLDER}/{step_name(10)}, or a run folder that holds {FOLDER}/{LATEST}.")
+        raise Unreadable(f"checkpoint folder {str(folder)!r} does not exist",
+                         f"Give a folder like RUN_DIR/{FOLDER}/{step_name(10)}, or a run folder that holds "
+                         f"{FOLDER}/{LATEST}.")
     missing = [name for name in (COMPLETE, META, DCP_METADATA) if not (folder / name).is_file()]
     if missing:
-        raise UserError(f"checkpoint folder {str(folder)!r} is not a complete checkpoint (no "
-                        f"{', '.join(missing)}): the save that wrote it did not finish, or it was "
-                        f"damaged. Resume from an earlier folder with --resume FOLDER.")
+        raise Unreadable(f"checkpoint folder {str(folder)!r} is not a complete checkpoint (no "
+                         f"{', '.join(missing)}): the save that wrote it did not finish, or it was damaged")
     try:
-        return json.loads((folder / META).read_text())
+        meta = json.loads((folder / META).read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"checkpoint folder {str(folder)!r} has an unreadable {META} ({err}). "
-                        f"Resume from an earlier folder with --resume FOLDER.") from None
+        raise Unreadable(f"checkpoint folder {str(folder)!r} has an unreadable {META} ({err})") from None
+    if not _meta_fields_ok(meta):
+        raise Unreadable(f"checkpoint folder {str(folder)!r} has a {META} without the fields a save "
+                         f"writes ({', '.join(_META_FIELDS)}, config.model.name and flavor)")
+    return meta
+
+
+_META_FIELDS = {"step": int, "mesh": str, "world_size": int, "data_size": int, "state_dict": dict, "config": dict}
+
+
+def _meta_fields_ok(meta) -> bool:
+    if not (isinstance(meta, dict) and all(isinstance(meta.get(k), t) for k, t in _META_FIELDS.items())):
+        return False
+    model = meta["config"].get("model")
+    return (meta["step"] >= 0 and meta["world_size"] >= 1 and meta["data_size"] >= 1
+            and all(isinstance(section, dict) for section in meta["config"].values()) and isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("name", "flavor"))
+            and all(isinstance(shape, list) for shape in meta["state_dict"].values()))
 
 
 def check_resumable(folder: Path, meta: dict, cfg_dict: dict, expected: dict[str, list[int]],
@@ -113,49 +139,139 @@ def check_resumable(folder: Path, meta: dict, cfg_dict: dict, expected: dict[str
 
 
 def latest(root: Path) -> Path | None:
-    """The folder `latest` names, or None when there is no pointer yet."""
+    """The folder `latest` names, or None when there is no pointer yet. A pointer naming
+    anything but a step folder directly inside `root` is Unreadable: a checkpoint never
+    sends the run to another folder."""
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    return root / pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise Unreadable(f"{str(pointer)!r} cannot be read ({err})") from None
+    folder = root / name
+    if not _STEP_FOLDER.fullmatch(name) or folder.resolve().parent != root.resolve():
+        raise Unreadable(f"{str(pointer)!r} names {name[:80]!r}, which is not a checkpoint folder of "
+                         f"{str(root)!r} (a {step_name(0)}-style folder inside it)")
+    return folder
 
 
 def _complete_folders(root: Path) -> list[Path]:
+    """Complete step folders directly inside `root`, oldest first (set-aside and partial
+    folders, and links that lead out of `root`, are not among them)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if not p.name.endswith(PARTIAL) and (p / COMPLETE).is_file())
+    return sorted(p for p in root.iterdir() if _STEP_FOLDER.fullmatch(p.name) and (p / COMPLETE).is_file()
+                  and p.resolve().parent == root.resolve())
 
 
-def find_resume(ckpt_cfg, run_dir: str | Path) -> Path | None:
-    """The checkpoint folder this run starts from, or None for a fresh start."""
+@dataclass
+class Candidates:
+    """The checkpoints a run may start from, best first. `fallback`: whether a damaged
+    one may be passed over for the next (the run's own checkpoints), or must read (a
+    folder the user named). `skipped`: (path, why) of what was already found damaged."""
+    folders: list[Path]
+    fallback: bool = False
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run starts from, its meta.json, and what to try if it turns out
+    unreadable when its data is read."""
+    folder: Path
+    meta: dict
+    fallback: bool
+    fallbacks: list[Path]
+    skipped: list[tuple[str, str]]
+
+
+def _own_checkpoints(root: Path) -> Candidates:
+    try:
+        newest = latest(root)
+    except Unreadable as err:
+        return Candidates(_complete_folders(root)[::-1], True, [(str(root / LATEST), err.cause)])
+    if newest is None:
+        return Candidates([])
+    older = [p for p in reversed(_complete_folders(root)) if p.name < newest.name]
+    return Candidates([newest, *older], True)
+
+
+def find_resume(ckpt_cfg, run_dir: str | Path) -> Candidates:
+    """The checkpoint folders this run may start from; none for a fresh start."""
     root = checkpoints_dir(run_dir)
-    newest = latest(root)
-    if ckpt_cfg.resume_from and ckpt_cfg.resume != "never":
-        # The run folder's own checkpoint wins: a job restarted with the same command line
-        # continues from its last save instead of going back to the folder it began from.
-        given = Path(ckpt_cfg.resume_from)
-        return newest or latest(checkpoints_dir(given)) or latest(given) or given
     if ckpt_cfg.resume == "never":
-        if newest or _complete_folders(root):
+        if (root / LATEST).exists() or _complete_folders(root):
             raise UserError(f"checkpoint.resume=never but {str(root)!r} holds checkpoints. Use an "
                             f"empty run.dir, or delete that folder to start over.")
-        return None
-    if newest is None and _complete_folders(root):
+        return Candidates([])
+    # The run folder's own checkpoints win over resume_from: a job restarted with the same
+    # command line continues from its last save instead of going back to where it began.
+    own = _own_checkpoints(root)
+    if own.folders:
+        return own
+    if own.skipped:
+        raise UserError(f"{own.skipped[0][1]}, and there is no complete checkpoint in {str(root)!r} to fall "
+                        f"back to. Resume from a folder with --resume FOLDER, or start over in a new run.dir.")
+    if ckpt_cfg.resume_from:
+        given = Path(ckpt_cfg.resume_from)
+        return Candidates([latest(checkpoints_dir(given)) or latest(given) or given])
+    if _complete_folders(root):
         raise UserError(f"{str(root)!r} holds checkpoints but no {LATEST!r} pointer. Pick one with "
                         f"--resume {root}/{_complete_folders(root)[-1].name}.")
-    if newest is None and ckpt_cfg.resume == "always":
+    if ckpt_cfg.resume == "always":
         raise UserError(f"--resume (checkpoint.resume=always) but {str(root)!r} holds no complete "
                         f"checkpoint. Check run.dir, or pass --resume FOLDER.")
-    return newest
+    return Candidates([])
+
+
+def choose(candidates: Candidates, cfg_dict: dict, expected: dict[str, list[int]], total_steps: int) -> Resume:
+    """The first candidate whose meta.json and .metadata read and whose data files are all
+    there, checked against this run. A damaged one is passed over only when `fallback`
+    allows; a config or model that does not fit is an error whichever folder it is."""
+    skipped = list(candidates.skipped)
+    for number, folder in enumerate(candidates.folders):
+        try:
+            meta = read_meta(folder)
+            check_readable(folder)
+        except Unreadable as err:
+            if not candidates.fallback:
+                raise
+            skipped.append((str(folder), err.cause))
+            continue
+        check_resumable(folder, meta, cfg_dict, expected, total_steps)
+        return Resume(folder, meta, candidates.fallback, candidates.folders[number + 1:], skipped)
+    raise UserError(f"no checkpoint of this run can be read: {'; '.join(why for _, why in skipped)}. Resume "
+                    f"from a good folder with --resume FOLDER, or start over in a new run.dir (nothing was "
+                    f"deleted).")
 
 
 def resume_folder(cfg_dict: dict, ckpt_cfg, run_dir, expected: dict[str, list[int]],
-                  total_steps: int) -> Path | None:
-    """find_resume, then every check that can fail before training: a UserError, or the folder."""
-    folder = find_resume(ckpt_cfg, run_dir)
-    if folder is not None:
-        check_resumable(folder, read_meta(folder), cfg_dict, expected, total_steps)
-    return folder
+                  total_steps: int) -> Resume | None:
+    """find_resume, then every check that can fail before training: a UserError, or the
+    checkpoint to start from."""
+    candidates = find_resume(ckpt_cfg, run_dir)
+    return choose(candidates, cfg_dict, expected, total_steps) if candidates.folders else None
+
+
+def set_aside(root: Path, skipped: list[tuple[str, str]], resumed: Path) -> list[str]:
+    """After a fallback (rank 0): rename each damaged step folder of `root` to
+    step-N.unreadable, out of the way of saves and `keep`, and point `latest` at the
+    checkpoint resumed from. Returns the new names."""
+    kept = []
+    for path, _ in skipped:
+        folder = Path(path)
+        if folder.parent != root or not _STEP_FOLDER.fullmatch(folder.name) or not folder.is_dir():
+            continue
+        target = folder.with_name(folder.name + UNREADABLE)
+        number = 1
+        while target.exists():
+            number += 1
+            target = folder.with_name(f"{folder.name}{UNREADABLE}-{number}")
+        os.replace(folder, target)
+        kept.append(target.name)
+    _point_latest(root, resumed.name)
+    return kept
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -163,6 +279,12 @@ def _write_durably(path: Path, text: str) -> None:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _point_latest(root: Path, name: str) -> None:
+    pointer = root / (LATEST + ".tmp")
+    _write_durably(pointer, name)
+    os.replace(pointer, root / LATEST)
 
 
 def partial_folder(root: Path, step: int) -> Path:
@@ -177,9 +299,7 @@ def commit(partial: Path, meta: dict, keep: int) -> Path:
     if final.exists():  # the same step saved again after a restart: the new one replaces it
         shutil.rmtree(final)
     os.replace(partial, final)
-    pointer = final.parent / (LATEST + ".tmp")
-    _write_durably(pointer, final.name)
-    os.replace(pointer, final.parent / LATEST)
+    _point_latest(final.parent, final.name)
     prune(final.parent, keep)
     return final
 

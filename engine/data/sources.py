@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.data.sampling import Mixture, derive_key, mix64, parse_weights, permute
-from engine.data.token_file import INDEX, TokenFile, read_index
+from engine.data.sampling import MASK64, Mixture, derive_key, mix64, parse_weights, permute
+from engine.data.token_file import INDEX, TokenFile, id_outside, read_index
 from engine.errors import UserError
 
 BYTE_VOCAB = 256
@@ -44,7 +44,7 @@ def _sample_generator(seed: int, step: int, index: int, stream: int = 0) -> torc
     value = (seed * 1_000_003 + step) * 1_000_033 + index
     if stream:  # scrambled: torch's CPU generator keeps only a seed's low 32 bits
         value = mix64(value ^ stream)
-    return torch.Generator().manual_seed(value)
+    return torch.Generator().manual_seed(value & MASK64)  # large seeds wrap; small ones keep their value
 
 
 def held_out(count: int, holdout: float) -> int:
@@ -208,6 +208,8 @@ class TokenSource:
         self.files = [TokenFile(folder, what) for folder, _, _ in self.parts]
         self.mixture = Mixture(parse_weights(weights, len(folders)))
         self.vocab_size = max(f.vocab_size for f in self.files)
+        self.model_vocab = model_vocab
+        self.what = what
         self.seed = seed
         self.global_batch = global_batch
         self.seq_len = seq_len
@@ -228,7 +230,14 @@ class TokenSource:
             raise ValueError(f"this token source was built for windows of {self.seq_len + 1} tokens "
                              f"(training.seq_len={self.seq_len}), not {length}")
         folder, window = self.locate(step, index)
-        return torch.from_numpy(self.files[folder].window(window * self.seq_len, length))
+        start = window * self.seq_len
+        ids = self.files[folder].window(start, length)
+        # tokens.bin is written by another program: an id past the embedding would fail
+        # every rank's forward (a device-side assert on CUDA).
+        if self.model_vocab is not None and ids.max() >= self.model_vocab:
+            offset = int(np.argmax(ids >= self.model_vocab))
+            raise id_outside(self.files[folder].folder, start + offset, int(ids[offset]), self.model_vocab, self.what)
+        return torch.from_numpy(ids)
 
 
 def _no_eval_data(cfg) -> UserError:
@@ -268,9 +277,6 @@ def check_data(cfg, model_vocab: int) -> None:
     vocabularies, mixture weights, sizes, holdout. Reads index.json files and stats the
     rest; maps nothing."""
     d, t = cfg.data, cfg.training
-    if not 0 <= d.holdout < 1:
-        raise UserError(f"data.holdout={d.holdout} is outside [0, 1). It is the fraction of the data kept "
-                        f"out of training for evaluation, e.g. 0.05.")
     if d.weights.strip() and d.source != "tokens":
         raise UserError(f"data.weights={d.weights!r} mixes prepared token folders, but data.source is "
                         f"{d.source}. Use --set data.source=tokens with several folders in data.path, or "

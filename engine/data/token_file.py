@@ -18,6 +18,7 @@ import json
 import mmap
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,58 @@ def token_dtype(vocab_size: int) -> str:
 
 def prepare_hint(folder: str | Path) -> str:
     return f"python launch/prepare.py INPUT... --out {folder}"
+
+
+class OutOfVocabulary(UserError):
+    """A token id at or past a vocabulary, found on the host before it reaches a model."""
+
+
+def id_outside(folder, position: int, token: int, vocab: int, what: str = "data.path",
+               whose: str = "the model's", fix: str = "") -> OutOfVocabulary:
+    """The error for token `position` of tokens.bin holding `token` >= `vocab`. In a run it
+    points to `prepare.py --check`; the check gives its own `fix`."""
+    fix = fix or (f"prepare the folder again, or list every such id with `python launch/prepare.py --check "
+                  f"{folder} --vocab-size {vocab}`")
+    return OutOfVocabulary(
+        f"{what} folder {str(folder)!r}: token {position:,} of {TOKENS} is id {token:,}, outside {whose} "
+        f"vocabulary of {vocab:,} (ids 0 to {vocab - 1:,}). {TOKENS} is damaged, or was written with another "
+        f"tokenizer than the one its {INDEX} names: {fix}.")
+
+
+@dataclass
+class IdScan:
+    tokens: int
+    outside: int  # ids at or past the vocabulary
+    first: int | None  # the position of the first of them
+    first_id: int | None
+    largest: int | None
+
+
+def scan_ids(folder: str | Path, vocab: int, chunk: int = 1 << 24, progress=None) -> IdScan:
+    """Every id of tokens.bin against `vocab`, read `chunk` tokens at a time (the memory it
+    takes). `progress(tokens_read)` is called after each chunk."""
+    index = read_index(folder)
+    dtype, total = DTYPES[index["dtype"]], int(index["tokens"])
+    scan = IdScan(total, 0, None, None, None)
+    buffer, outside = np.empty(min(chunk, max(total, 1)), dtype=dtype), np.empty(min(chunk, max(total, 1)), bool)
+    done = 0
+    with open(Path(folder) / TOKENS, "rb") as handle:
+        while done < total:
+            count = handle.readinto(memoryview(buffer).cast("B")) // dtype.itemsize
+            if not count:
+                break
+            ids, mask = buffer[:min(count, total - done)], outside[:min(count, total - done)]
+            np.greater_equal(ids, vocab, out=mask)
+            if mask.any():
+                bad = np.flatnonzero(mask)
+                if scan.first is None:
+                    scan.first, scan.first_id = done + int(bad[0]), int(ids[bad[0]])
+                scan.outside += len(bad)
+            scan.largest = max(int(ids.max()), scan.largest or 0)
+            done += len(ids)
+            if progress is not None:
+                progress(done)
+    return scan
 
 
 def read_index(folder: str | Path, what: str = "data.path") -> dict:

@@ -6,13 +6,14 @@ collective bytes, and this turns them into seconds under stated assumptions:
 - compute: the model's FLOPs per token (engine.metrics.throughput), times 4/3 for the
   forward that full or per-block activation checkpointing repeats (op-level AC keeps
   the matmuls' results and recomputes elementwise ops, counted as free), over this rank's
-  share of tokens (its data rank's tokens, split over tp), at `compute_efficiency`
-  of the peak;
+  share of tokens (its data rank's tokens, split over cp and tp: the sequence split
+  gives every cp rank the same attention work), at `compute_efficiency` of the peak;
 - a collective moves its bytes at ring cost, (n-1)/n of them for an all-gather or a
   reduce-scatter and twice that for an all-reduce, at the intra-node bandwidth when
   its group fits in one node and at the inter-node bandwidth otherwise;
-- FSDP's collectives (dp, hsdp and integer-reshard groups) overlap with compute, so
-  only what exceeds the compute time shows; tensor-parallel and optimizer-phase
+- FSDP's collectives (dp, dp x cp, hsdp and integer-reshard groups) overlap with
+  compute, so only what exceeds the compute time shows; tensor-parallel, context-parallel
+  (the attention's key/value all-gathers wait for their result) and optimizer-phase
   collectives sit on the critical path and add in full.
 
 Under pipeline parallel a rank computes only its stages (their FLOPs per token: 6 per
@@ -44,7 +45,7 @@ PROFILES = {
     "H200": {"peak_tflops": 989.0, "intra_node_gbps": 450.0, "inter_node_gbps": 50.0},
     "A100": {"peak_tflops": 312.0, "intra_node_gbps": 300.0, "inter_node_gbps": 25.0},
 }
-OVERLAPPED = ("dp", "hsdp")
+OVERLAPPED = ("dp", "dp_cp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -74,18 +75,23 @@ def device_profile(dry) -> Profile:
 
 def group_span(dim: str, spec) -> tuple[int, int]:
     """(ranks in the group, consecutive ranks its members spread over) for a mesh dimension.
-    The mesh is hsdp x dp x tp with tp innermost, so a group's members are `stride` apart."""
+    The mesh is pp x hsdp x dp x cp x tp with tp innermost, so a group's members are `stride` apart."""
+    cp_tp = spec.cp * spec.tp
     if dim == "tp":
         return spec.tp, spec.tp
+    if dim == "cp":
+        return spec.cp, cp_tp
     if dim == "dp":
-        return spec.dp, spec.dp * spec.tp
-    if dim == "hsdp":
-        return spec.hsdp, spec.hsdp * spec.dp * spec.tp
+        return spec.dp, spec.dp * cp_tp
+    if dim == "dp_cp":  # FSDP's shard group with cp
+        return spec.shard_size, spec.shard_size * spec.tp
+    if dim == "hsdp":  # within one pipeline stage's ranks
+        return spec.hsdp, spec.world_size // spec.pp
     if dim == "data":
-        return spec.hsdp * spec.dp, spec.hsdp * spec.dp * spec.tp
+        return spec.hsdp * spec.shard_size, spec.world_size // spec.pp
     if dim == "pp":  # outermost: neighbouring stages are a whole stage of ranks apart
         return spec.pp, spec.world_size
-    if dim.startswith("group of "):  # an integer-reshard group: k consecutive dp ranks
+    if dim.startswith("group of "):  # an integer-reshard group: k consecutive ranks of FSDP's shard group
         size = int(dim.split()[-1])
         return size, size * spec.tp
     return 1, 1
@@ -140,7 +146,7 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
     t = cfg.training
     global_tokens = t.global_batch * t.seq_len
     recompute = 4 / 3 if cfg.parallel.activation_checkpoint in ("full", "selective") else 1.0
-    rank_flops = global_tokens / (spec.hsdp * spec.dp) * (stage_flops or flops_per_token) / spec.tp
+    rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * (stage_flops or flops_per_token) / spec.tp
     compute = rank_flops * recompute / (profile.peak_flops * profile.compute_efficiency)
     comm_s: dict[str, float] = {}
     hidden, exposed, exposed_p2p = 0.0, 0.0, 0.0

@@ -11,6 +11,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from engine.dryrun import record, torch_internals
 from engine.train import build_optimizer, train_step
+from parallel.context import shapes_only
 from parallel.pipeline import parts_of
 
 # FSDPMemTracker's categories, folded into the report's.
@@ -70,9 +71,9 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     create_optimizer_state(model, optimizer)
     t = cfg.training
-    rows = t.global_batch // dims.data_size
-    inputs = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
-    targets = torch.zeros(rows, t.seq_len, dtype=torch.long, device=device)
+    rows, length = t.global_batch // dims.data_size, t.seq_len // dims.cp_size  # cp: this rank's two chunks
+    inputs = torch.zeros(rows, length, dtype=torch.long, device=device)
+    targets = torch.zeros(rows, length, dtype=torch.long, device=device)
     table = record.CommTable()
     grads = {}
     roots = parts_of(model)  # each pipeline stage's part is an FSDP root of its own
@@ -89,7 +90,8 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
 
     clear_module_stats = register_module_forward_pre_hook(forget_root)
     warmup = torch_internals.pipeline_warmup_without_messages() if hasattr(model, "pipeline") else nullcontext()
-    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup:
+    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup, \
+            (shapes_only() if fake else nullcontext()):
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),

@@ -83,13 +83,23 @@ def mesh_groups(dims) -> dict[tuple[int, ...], str]:
     A collective is labelled by its group's ranks, not its group's name: a process that
     builds several meshes (tests/dryrun_worker.py) gets new groups, with new names, for the
     same ranks, and torch reuses cached ones. Where two dimensions have the same ranks
-    (dp and data without hsdp), the first named here wins."""
+    (dp and data without hsdp), the first named here wins. With cp, FSDP's shard group
+    (dp x cp) comes first: with dp = 1 it has the cp group's ranks, and cp's own
+    collectives are told apart by their group's name (named_groups)."""
     groups = {}
+    if dims.spec.cp > 1:
+        groups[torch_internals.group_ranks(dims.fsdp.get_group(dims.fsdp.ndim - 1).group_name)] = "dp_cp"
     for dim, size in zip(DIM_ORDER, dims.spec.sizes):
         if size > 1:
             groups.setdefault(torch_internals.group_ranks(dims.world.get_group(dim).group_name), dim)
     groups.setdefault(torch_internals.group_ranks(dims.data.get_group().group_name), "data")
     return groups
+
+
+def named_groups(dims) -> dict[str, str]:
+    """Group name -> dimension, for the groups that another dimension's ranks may share:
+    context parallel's attention traffic is its own even where FSDP's group has its ranks."""
+    return {dims.cp.get_group().group_name: "cp"} if dims.spec.cp > 1 else {}
 
 
 class _Phase(TorchFunctionMode):
@@ -144,10 +154,11 @@ def _recorder_class():
     base = torch_internals.dispatch_mode_base()
 
     class Recorder(base):
-        def __init__(self, phase: _Phase, groups: dict[tuple[int, ...], str], table: CommTable, fake: bool):
+        def __init__(self, phase: _Phase, groups: dict[tuple[int, ...], str], table: CommTable, fake: bool,
+                     names: dict[str, str]):
             super().__init__()
             self.phase, self.groups, self.table, self.fake = phase, groups, table, fake
-            self.dim_of_name: dict[str, str] = {}
+            self.dim_of_name: dict[str, str] = dict(names)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -263,7 +274,7 @@ def recording(dims, table: CommTable, fake: bool):
 
     with ExitStack() as stack:
         stack.enter_context(phase)
-        stack.enter_context(_recorder_class()(phase, mesh_groups(dims), table, fake))
+        stack.enter_context(_recorder_class()(phase, mesh_groups(dims), table, fake, named_groups(dims)))
         stack.enter_context(mock.patch.object(PipelineStage, "perform_reduce_grad", in_backward))
         yield phase
 

@@ -11,10 +11,12 @@ against a simulation at full depth).
 
 What is searched, and why not more:
 - mesh: tp in 1, 2, 4, 8 (within a node, dividing the world, and over which the plan
-  splits every module evenly), with FSDP over all the
-  other ranks (dp) or within a node and replicated across nodes (hsdp x dp); with
-  tp > 1, loss parallelism on, and sequence parallelism on when the plan has a
-  sequence-parallel variant;
+  splits every module evenly); for long sequences cp in 2, 4, 8, ... as long as each
+  cp rank keeps at least CP_MIN_TOKENS tokens of a sequence (shorter slices add the
+  key/value all-gathers and save little) and the plan names its attention cores; FSDP
+  over all the other ranks (dp) or within a node and replicated across nodes
+  (hsdp x dp); with tp > 1, loss parallelism on, and sequence parallelism on when the
+  plan has a sequence-parallel variant;
 - reshard_after_forward: false, true, and the node-local group size when dp spans
   more than one node;
 - activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
@@ -51,6 +53,7 @@ GIB = 1024 ** 3
 AC_MODES = ("none", "op", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.10  # of GPU memory, for what is not a tensor: allocator, NCCL, CUDA context
+CP_MIN_TOKENS = 8192  # the shortest slice of a sequence a cp rank is given in the search
 
 
 PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))  # (schedule, stages per rank)
@@ -130,6 +133,19 @@ def plan_takes_tp(cfg, tp: int) -> bool:
     return not sp or cfg.training.seq_len % tp == 0  # sequence parallel splits the sequence
 
 
+def context_degrees(cfg, ranks: int) -> list[int]:
+    """1, and the cp degrees searched over `ranks` for this sequence length."""
+    from parallel.plan import get_plan
+    degrees, seq_len = [1], cfg.training.seq_len
+    if get_plan(cfg.parallel.plan).attention is None:
+        return degrees
+    cp = 2
+    while ranks % cp == 0 and seq_len % (2 * cp) == 0 and seq_len // cp >= CP_MIN_TOKENS:
+        degrees.append(cp)
+        cp *= 2
+    return degrees
+
+
 def meshes(cfg, world: int, depth: int | None = None) -> list[MeshSpec]:
     """With `depth` (the model's blocks), pipeline sizes too: up to one block per stage."""
     gpus_per_node = cfg.dryrun.gpus_per_node
@@ -141,11 +157,14 @@ def meshes(cfg, world: int, depth: int | None = None) -> list[MeshSpec]:
         stage = world // pp
         takes = [tp for tp in (1, 2, 4, 8) if tp <= gpus_per_node and stage % tp == 0 and plan_takes_tp(cfg, tp)]
         for tp in takes if pp == 1 else takes[-1:]:
-            rest = stage // tp
-            found.append(MeshSpec(dp=rest, tp=tp, pp=pp))
-            in_node = gpus_per_node // tp
-            if 1 < in_node < rest and rest % in_node == 0:
-                found.append(MeshSpec(hsdp=rest // in_node, dp=in_node, tp=tp, pp=pp))
+            for cp in context_degrees(cfg, stage // tp):
+                rest = stage // (tp * cp)
+                found.append(MeshSpec(dp=rest, tp=tp, cp=cp, pp=pp))
+                # HSDP: FSDP's shard group (dp x cp) within a node, replicated across nodes.
+                in_node = gpus_per_node // tp
+                dp_in_node = in_node // cp
+                if in_node % cp == 0 and (dp_in_node > 1 or cp > 1) and dp_in_node < rest and rest % dp_in_node == 0:
+                    found.append(MeshSpec(hsdp=rest // dp_in_node, dp=dp_in_node, tp=tp, cp=cp, pp=pp))
     return found
 
 
@@ -174,7 +193,7 @@ def search_mesh(cfg, world: int) -> MeshSpec:
 def reshard_options(spec: MeshSpec, gpus_per_node: int) -> list[str]:
     options = ["false", "true"]
     in_node = gpus_per_node // spec.tp
-    if 1 < in_node < spec.dp and spec.dp % in_node == 0:
+    if 1 < in_node < spec.shard_size and spec.shard_size % in_node == 0:
         options.insert(1, str(in_node))
     return options
 
@@ -228,8 +247,9 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
     from parallel.pipeline import micro_batches_needed
     t, spec = cfg.training, layout.spec
     data = spec.hsdp * spec.dp
-    sequence_split = spec.tp if layout.sequence_parallel else 1
-    fits_batch = t.global_batch % (data * layout.micro_batches) == 0 and t.seq_len % sequence_split == 0
+    sequence_split = spec.tp if layout.sequence_parallel else 1  # of each cp rank's tokens
+    fits_batch = (t.global_batch % (data * layout.micro_batches) == 0
+                  and (t.seq_len // spec.cp) % sequence_split == 0)
     if spec.pp == 1:
         return fits_batch
     return (fits_batch and spec.pp * layout.stages_per_rank <= depth

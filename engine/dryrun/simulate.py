@@ -70,11 +70,12 @@ class DryRunResult:
 
 
 def corner_ranks(spec) -> list[int]:
-    """Rank 0 first, then the ranks at the first and last coordinates of dp and tp."""
+    """Rank 0 first, then the ranks at the first and last coordinates of FSDP's shard group
+    (dp, or dp x cp) and of tp."""
     ranks = []
-    for dp in sorted({0, spec.dp - 1}):
+    for shard in sorted({0, spec.shard_size - 1}):
         for tp in sorted({0, spec.tp - 1}):
-            rank = dp * spec.tp + tp
+            rank = shard * spec.tp + tp
             if rank not in ranks:
                 ranks.append(rank)
     return ranks

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from engine.parity.compare import Tolerance, full, max_abs_diff
 from engine.train import forward_backward
+from parallel.context import split_sequence
 
 KINDS = ("output", "input gradient")
 
@@ -31,14 +32,17 @@ KINDS = ("output", "input gradient")
 @dataclass(frozen=True)
 class RankPiece:
     """Which part of the global activations this rank holds: its rows of the global batch
-    (data rank) and, for tensor-parallel modules, its slice of one other dimension. With
-    `micro_batches` > 1 (a pipeline schedule) the first call of a module sees the first
-    micro-batch of the rank's rows."""
+    (data rank), with context parallel its two chunks of the sequence (cp rank), and, for
+    tensor-parallel modules, its slice of one other dimension. With `micro_batches` > 1
+    (a pipeline schedule) the first call of a module sees the first micro-batch of the
+    rank's rows."""
 
     data_rank: int = 0
     data_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
     micro_batches: int = 1
 
 
@@ -102,12 +106,25 @@ def batch_rows(reference: torch.Tensor, local_rows: int, where: RankPiece) -> to
     return reference
 
 
+def sequence_chunks(reference: torch.Tensor, shape, where: RankPiece) -> list[torch.Tensor]:
+    """`reference` as it is, and with context parallel this cp rank's chunks of each
+    dimension that is cp times longer in `reference` than in `shape` (the sequence,
+    wherever a module keeps it)."""
+    found = [reference]
+    if where.cp_size > 1 and reference.dim() == len(shape):
+        found += [split_sequence(reference, where.cp_rank, where.cp_size, dim) for dim in range(reference.dim())
+                  if reference.shape[dim] == shape[dim] * where.cp_size]
+    return found
+
+
 def expected_pieces(reference: torch.Tensor, piece: torch.Tensor, where: RankPiece) -> list[torch.Tensor]:
     """The slices of the global `reference` this rank's `piece` may stand for. A DTensor
     says exactly; a plain tensor is matched by shape: the batch rows of this data rank,
-    then either the whole or this tp rank's part of one dimension (all such candidates)."""
+    with context parallel its chunks of the sequence, then either the whole or this tp
+    rank's part of one dimension (all such candidates)."""
     if isinstance(piece, DTensor):
         expected = batch_rows(reference, piece.shape[0], where) if piece.dim() else reference
+        expected = next((c for c in sequence_chunks(expected, piece.shape, where) if c.shape == piece.shape), expected)
         coordinate = piece.device_mesh.get_coordinate()
         for mesh_dim, placement in enumerate(piece.placements):
             if placement.is_partial():
@@ -115,14 +132,15 @@ def expected_pieces(reference: torch.Tensor, piece: torch.Tensor, where: RankPie
             if placement.is_shard():
                 expected = expected.chunk(piece.device_mesh.size(mesh_dim), placement.dim)[coordinate[mesh_dim]]
         return [expected] if expected.shape == piece.to_local().shape else []
-    expected = batch_rows(reference, piece.shape[0], where) if piece.dim() else reference
-    if expected.shape == piece.shape:
-        return [expected]
-    if expected.dim() != piece.dim() or where.tp_size == 1:
-        return []
-    return [expected.chunk(where.tp_size, dim)[where.tp_rank] for dim in range(piece.dim())
-            if expected.shape[dim] == piece.shape[dim] * where.tp_size
-            and all(expected.shape[d] == piece.shape[d] for d in range(piece.dim()) if d != dim)]
+    bases = sequence_chunks(batch_rows(reference, piece.shape[0], where) if piece.dim() else reference,
+                            piece.shape, where)
+    exact = [base for base in bases if base.shape == piece.shape]
+    if exact or where.tp_size == 1:
+        return exact
+    return [base.chunk(where.tp_size, dim)[where.tp_rank] for base in bases if base.dim() == piece.dim()
+            for dim in range(piece.dim())
+            if base.shape[dim] == piece.shape[dim] * where.tp_size
+            and all(base.shape[d] == piece.shape[d] for d in range(piece.dim()) if d != dim)]
 
 
 def piece_difference(references: list, pieces: list, where: RankPiece,
@@ -158,9 +176,10 @@ def localize(model, reference, inputs, targets, global_inputs, global_targets, w
         ours.close()
         theirs.close()
     names = [name for name, _ in reference.compute.named_modules() if name]
-    # Each rank's loss is the mean over its own rows, so its activation gradients are
-    # data_size times the reference's (parameter gradients are averaged by FSDP instead).
-    factors = {"output": 1.0, "input gradient": 1.0 / where.data_size}
+    # Each rank's loss is the mean over its own tokens (its rows, its chunks of them), so
+    # its activation gradients are data_size x cp_size times the reference's (parameter
+    # gradients are averaged by FSDP instead).
+    factors = {"output": 1.0, "input gradient": 1.0 / (where.data_size * where.cp_size)}
     table = torch.full((len(names), len(KINDS), 2), -1.0, dtype=torch.float64, device=device)
     for i, name in enumerate(names):
         for k, kind in enumerate(KINDS):
