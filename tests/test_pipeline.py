@@ -4,8 +4,8 @@ group, and `launch/run.py --parity` on what the combination matrix does not vary
 The matrix (tests/combinations.py) runs 1F1B, Interleaved1F1B and ZBVZeroBubble at
 pp=2 with every other setting at 4 ranks. Here, each a real launch over gloo against
 one process, held to the fp32 (or bf16) tolerances of tests/test_parity.py: the other
-two schedules (GPipe, on GPT-2 whose tied embedding is copied onto both ends;
-InterleavedZeroBubble), pp=4, the one 3-D row (pp=2,dp=2,tp=2 with sequence parallel),
+two schedules (GPipe, on GPT-2 whose tied embedding is copied onto both ends, with
+context parallel too; InterleavedZeroBubble), pp=4, the one 3-D row (pp=2,dp=2,tp=2 with sequence parallel),
 an integer reshard under pp (pp=2,dp=4 with groups of 2, the engine's own post-forward
 mesh), the plain model of examples/plain_model.py, and a planted bug whose module the
 localizer must name on the stage that holds it.
@@ -28,7 +28,8 @@ LAYERS4 = ("parity.layers=4",)
 
 # id: (mesh, overrides)
 PIPELINE_ROWS = {
-    "gpipe-gpt2-tied": ("pp=2", ("parallel.pp_schedule=GPipe", "training.micro_batches=2", *GPT2)),
+    # GPT-2 also under context parallel: its learned positions come through the stage's embed.
+    "gpipe-gpt2-tied-cp": ("pp=2,cp=2", ("parallel.pp_schedule=GPipe", "training.micro_batches=2", *GPT2)),
     "interleaved-zero-bubble": ("pp=2", ("parallel.pp_schedule=InterleavedZeroBubble", "parallel.pp_stages_per_rank=2",
                                          "parallel.reshard_after_forward=false", "training.micro_batches=4")),
     "pp4": ("pp=4", ("training.micro_batches=4",)),
@@ -58,8 +59,10 @@ def test_stages_of_each_rank_loop_or_v():
 
 def test_mesh_with_pp_outermost():
     spec = parse_mesh("tp=2,pp=2,dp=-1").resolve(16)
-    assert (spec.pp, spec.hsdp, spec.dp, spec.tp, spec.sizes) == (2, 1, 4, 2, (2, 1, 4, 2))
+    assert (spec.pp, spec.hsdp, spec.dp, spec.tp, spec.sizes) == (2, 1, 4, 2, (2, 1, 4, 1, 2))
     assert str(spec) == "pp=2,dp=4,tp=2"
+    spec = parse_mesh("cp=2,tp=2,pp=2,dp=-1").resolve(32)  # cp between dp and tp
+    assert (spec.sizes, spec.shard_size, str(spec)) == ((2, 1, 4, 2, 2), 8, "pp=2,dp=4,cp=2,tp=2")
 
 
 def refused(*args: str) -> str:
@@ -134,7 +137,7 @@ def test_tied_embedding_copies_agree_across_stages(reports):
     """GPT-2 ties lm_head to wte; at pp=2 each end holds a copy. The copy on the last stage
     is compared under its own name with the reference's shared parameter: equal at the
     start, its gradient the sum of both uses, and equal after the steps."""
-    report, _ = reports("gpipe-gpt2-tied")
+    report, _ = reports("gpipe-gpt2-tied-cp")
     assert {"wte.weight", "lm_head.weight"} <= set(report["gradient_digests"])
     assert report["gradient_digests"]["wte.weight"] == report["gradient_digests"]["lm_head.weight"]
 
