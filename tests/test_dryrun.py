@@ -40,6 +40,7 @@ LAYOUTS = [
     ("pp=2,tp=2", [BATCH, "training.micro_batches=2", "parallel.sequence_parallel=true"]),
     ("pp=2,dp=2", [BATCH, "training.micro_batches=2", "parallel.pp_schedule=Interleaved1F1B",
                    "parallel.pp_stages_per_rank=2", "parallel.activation_checkpoint=full"]),
+    ("pp=2,cp=2", [BATCH, "training.micro_batches=2"]),  # pp with cp: both roles' attention gathers
 ]
 PEAK_TOLERANCE = 0.10
 
