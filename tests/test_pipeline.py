@@ -183,7 +183,8 @@ def pipeline_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mesh, micro_batches", [("pp=2", 2), ("dp=1", 2), ("pp=4", 4), ("pp=2,dp=2", 2)])
+@pytest.mark.parametrize("mesh, micro_batches", [("pp=2", 2), ("dp=1", 2), ("pp=4", 4), ("pp=2,dp=2", 2),
+                                                  ("pp=2,cp=2", 2)])
 def test_pipeline_checkpoint_reshards(pipeline_checkpoint, tmp_path, mesh, micro_batches):
     from tests.test_checkpoint import checkpoint
     from tests.test_cli import losses
