@@ -86,7 +86,8 @@ def test_every_key_takes_a_hostile_value_or_refuses_it(run_dir, key, value, mode
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mesh=MESHES, mode=MODES, nproc=st.sampled_from([[], ["--nproc", "2"], ["--nproc", "0"], ["--nproc", "-3"]]))
 def test_every_mesh_string_is_taken_or_refused(run_dir, mesh, mode, nproc):
-    accepts_or_refuses(["--mesh", mesh, *mode, *([] if mode else nproc), "--set", f"run.dir={run_dir}"])
+    # --mesh=VALUE, as a user passes a value that starts with "-" (argparse takes "--mesh -:" for two options)
+    accepts_or_refuses([f"--mesh={mesh}", *mode, *([] if mode else nproc), "--set", f"run.dir={run_dir}"])
 
 
 # The sample that runs: one step on one rank, each with one hostile setting. Settings the
