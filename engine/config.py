@@ -42,6 +42,13 @@ class ParallelConfig:
     param_dtype: str = "float32"  # float32 or bfloat16: the dtype of forward and backward
     reduce_dtype: str = "float32"  # the dtype gradients are reduced in
     offload: bool = False  # keep sharded parameters, gradients and optimizer state on the CPU
+    # Pipeline parallel (--mesh pp=N, docs/parallelism.md): the schedule, the stages each rank
+    # holds (2 or more for the looped schedules), and an explicit split: blocks per stage,
+    # comma-separated, one number per stage (empty: an even split that counts the embedding
+    # and the output layer as a block each).
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_split: str = ""
 
 
 @dataclass
@@ -141,6 +148,7 @@ class DryRunConfig:
     report: str = ""  # also write the report as JSON to this path
     gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
     top: int = 5  # --plan-for: how many of the best layouts to print as command lines
+    pp: str = "1,2,4,8,16"  # --plan-for: the pipeline sizes to search, comma-separated ("1": no pipeline)
 
 
 @dataclass
@@ -167,6 +175,7 @@ _CHOICES = {
     ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),
     ("parallel", "param_dtype"): ("float32", "bfloat16"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
+    ("parallel", "pp_schedule"): ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     ("checkpoint", "resume"): ("auto", "always", "never"),
     ("optim", "name"): ("adamw", "sgd"),
     ("parity", "reference_device"): ("auto", "cpu"),
@@ -228,6 +237,7 @@ RANGES = {
     ("checkpoint", "every"): Range(0, meaning="0 saves nothing"),
     ("checkpoint", "keep"): Range(0, meaning="0 keeps all"),
     ("parity", "steps"): POSITIVE,
+    ("parallel", "pp_stages_per_rank"): Range(1, INT64, meaning="pipeline stages on each rank"),
     ("parity", "layers"): Range(0, meaning="0 takes the flavor's depth"),
     ("dryrun", "gpus_per_node"): POSITIVE,
     ("dryrun", "peak_tflops"): Range(0, meaning="0 takes the device profile's"),
@@ -237,6 +247,22 @@ RANGES = {
     ("dryrun", "gpu_memory_gib"): POSITIVE,
     ("dryrun", "top"): POSITIVE,
 }
+
+
+# Text keys that hold comma-separated positive whole numbers: (may be empty, what to give).
+_LISTS = {
+    ("parallel", "pp_split"): (True, "the blocks of each pipeline stage, comma-separated positive whole numbers "
+                                     "(e.g. 3,2,2,3), or nothing for the even split"),
+    ("dryrun", "pp"): (False, "the pipeline sizes --plan-for searches, comma-separated positive whole numbers "
+                              "(e.g. 1,2,4,8,16; 1 alone: no pipeline parallel)"),
+}
+
+
+def _is_list_of_positive(value: str, may_be_empty: bool) -> bool:
+    if not value.strip():
+        return may_be_empty
+    parts = [part.strip() for part in value.split(",")]
+    return all(part.isascii() and part.isdigit() and 0 < int(part) <= INT64 for part in parts)
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:
@@ -298,6 +324,9 @@ def _set(cfg: Config, dotted: str, value) -> None:
         largest = " and at most 2**63 - 1" if too_large else ""
         meaning = f" ({allowed.meaning})" if allowed.meaning else ""
         raise UserError(f"config key {dotted} must be {number} {allowed}{largest}{meaning}, but got {value!r}.")
+    form = _LISTS.get((section_name, key))
+    if form is not None and not _is_list_of_positive(value, form[0]):
+        raise UserError(f"config key {dotted} is {value!r}; give {form[1]}.")
     if isinstance(value, str) and "\x00" in value:
         raise UserError(f"config key {dotted} holds a NUL character ({value!r}), which no name or path can hold.")
     setattr(section, key, value)

@@ -7,6 +7,9 @@ takes the norm of its local shards, and the partial results are reduced over the
 process groups of the mesh dimensions that split them. Partials that need the same
 groups are combined first, so each distinct set of groups costs one all-reduce per
 group however many layouts share it; the totals, equal on every rank, are combined.
+Under pipeline parallel each rank holds only its stages' parameters, so the total is
+then reduced over the pipeline group as well, with each shared parameter (a tied
+embedding copied onto two stages) counted once.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients taken together, as if each were one full tensor."""
+def grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0, stages=None) -> torch.Tensor:
+    """The norm of all gradients taken together, as if each were one full tensor; `stages`,
+    the pipeline group, adds the other stages' gradients."""
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
@@ -56,15 +60,20 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) 
                 dist.all_reduce(partial, op=op, group=group)
         partial = partial.cpu()
         total = torch.maximum(total, partial) if inf else total + partial
+    if stages is not None:
+        total = total.to("cuda" if dist.get_backend(stages) == "nccl" else "cpu")  # NCCL takes no CPU tensors
+        dist.all_reduce(total, op=op, group=stages)
+        total = total.cpu()
     return total if inf else total.pow(1.0 / norm_type)
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float,
-                   norm_type: float = 2.0) -> torch.Tensor:
-    """Scale gradients so that their total norm is at most `max_norm`; returns the norm before."""
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                   stages=None, counted: list | None = None) -> torch.Tensor:
+    """Scale gradients so that their total norm is at most `max_norm`; returns the norm before.
+    `counted` (default: all of `parameters`) are those the norm counts; `stages` as in grad_norm."""
     parameters = list(parameters)
-    total = grad_norm(parameters, norm_type)
+    total = grad_norm(parameters if counted is None else counted, norm_type, stages)
     if max_norm > 0 and math.isfinite(total.item()):
         scale = min(1.0, max_norm / (total.item() + 1e-6))
         if scale < 1.0:

@@ -29,6 +29,7 @@ from engine.metrics.memory import LargestOverRanks
 from engine.metrics.log import RunShape, StepLog
 from engine.metrics.throughput import device_peak_flops, flops_per_token
 from parallel.context import split_sequence
+from parallel.pipeline import whole_model
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, total_steps: int):
@@ -74,13 +75,59 @@ def loss_for(options) -> Callable:
     return compiled_loss_fn() if options.compile and not options.loss_parallel else loss_fn
 
 
-def global_mean(value: torch.Tensor, group) -> float:
-    """Average a scalar over the data-parallel ranks (gloo has no AVG, so SUM then divide)."""
-    if group is None:
+def global_mean(value: torch.Tensor, group, stages=None) -> float:
+    """Average a scalar over the data-parallel ranks (gloo has no AVG, so SUM then divide).
+    `stages`, the pipeline group, then brings the value from the last stage (the only one
+    that computes a loss; the others hold 0) to every stage."""
+    if group is None and stages is None:
         return value.item()
     value = value.detach().clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-    return value.item() / dist.get_world_size(group)
+    if group is not None:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    if stages is not None:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=stages)
+    return value.item() / (dist.get_world_size(group) if group is not None else 1)
+
+
+def pipeline_of(model):
+    """The model's pipeline (parallel/pipeline.py), or None without pipeline parallel."""
+    return getattr(model, "pipeline", None)
+
+
+def pipeline_group(model):
+    pipeline = pipeline_of(model)
+    return pipeline.group if pipeline is not None else None
+
+
+@functools.cache
+def micro_batch_loss(loss: Callable, micro_batches: int) -> Callable:
+    """One micro-batch's share of the mean loss, as the pipeline schedule calls it."""
+    def share(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss(logits, targets) / micro_batches
+    return share
+
+
+def run_pipeline(model, inputs, targets, micro_batches: int, loss: Callable, backward: bool) -> torch.Tensor:
+    """The pipeline schedule over this rank's rows: forward and backward (or, for an
+    evaluation, the stages' forward alone). Returns the sum of the micro-batches' shares,
+    i.e. this rank's mean loss, on the ranks of the last stage, and 0 on the others. Each
+    micro-batch's share is divided before its backward, as in forward_backward, so the
+    schedule scales nothing."""
+    pipeline = pipeline_of(model)
+    share_of = micro_batch_loss(loss, micro_batches)
+    with loss_parallel() if pipeline.loss_parallel and pipeline.tp > 1 else nullcontext():
+        if not backward:
+            return pipeline.forward_only(inputs, targets, micro_batches, share_of)
+        shares = []
+        schedule = pipeline.schedule(micro_batches, share_of, inputs)
+        # return_outputs=False: the last stage would keep every micro-batch's logits to the
+        # end of the step (at 405B, 2 GiB each) to hand back a result nothing reads.
+        schedule.step(*((inputs,) if pipeline.has_first else ()), target=targets, losses=shares, return_outputs=False)
+    pipeline.sync_tied_gradients()
+    total = torch.zeros((), device=inputs.device)
+    for share in shares:
+        total += (share.full_tensor() if isinstance(share, DTensor) else share).detach()
+    return total
 
 
 @dataclass
@@ -101,7 +148,10 @@ def forward_backward(model, inputs, targets, micro_batches: int = 1, loss: Calla
     Each slice's mean is divided by their count, so the sum is the mean over all rows and
     the gradient is that of one big batch. FSDP reduce-scatters only after the last slice.
     Vocabulary-sharded logits (loss parallel) need the loss and its backward inside
-    loss_parallel(); the returned loss is a plain tensor either way."""
+    loss_parallel(); the returned loss is a plain tensor either way. Under pipeline
+    parallel the slices are the schedule's micro-batches (run_pipeline)."""
+    if pipeline_of(model) is not None:
+        return run_pipeline(model, inputs, targets, micro_batches, loss, backward=True)
     total = torch.zeros((), device=inputs.device)
     for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
         if isinstance(model, FSDPModule):
@@ -127,12 +177,12 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
         after_backward()
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
-    loss = global_mean(local_loss, data_group)
+    loss = global_mean(local_loss, data_group, pipeline_group(model))
     computed = time.perf_counter()
     if inspect_grads is not None:
         inspect_grads(model)
     skipped = not math.isfinite(loss)
-    norm = clip_grad_norm(model.parameters(), max_norm).item()
+    norm = clip_grad_norm(model.parameters(), max_norm, **norm_scope(model)).item()
     if not skipped:
         optimizer.step()
     scheduler.step()
@@ -189,6 +239,17 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     return result
 
 
+def norm_scope(model) -> dict:
+    """What the gradient norm adds under pipeline parallel: the other stages' gradients (an
+    all-reduce over the pipeline group), each shared parameter counted once."""
+    pipeline = pipeline_of(model)
+    if pipeline is None:
+        return {}
+    copies = pipeline.copies()
+    return {"stages": pipeline.group,
+            "counted": [p for name, p in model.named_parameters() if name not in copies]}
+
+
 # The data-parallel view of a single process: rank 0 of 1, no group (see parallel/mesh.py).
 ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, cp_rank=0, cp_size=1,
                              data=SimpleNamespace(get_group=lambda: None))
@@ -202,14 +263,18 @@ def evaluate(model, source, cfg, dims, device, ids_group=None) -> float:
     total = 0.0
     for batch in range(cfg.eval.steps):
         inputs, targets = agree_on_ids(lambda: rank_batch(source, batch, t, dims), source, ids_group)
-        local = torch.zeros((), device=device)
-        for x, y in zip(inputs.to(device).chunk(t.micro_batches), targets.to(device).chunk(t.micro_batches)):
-            logits = model(x)
-            sharded = isinstance(logits, DTensor)
-            with loss_parallel() if sharded else nullcontext():
-                loss = loss_fn(logits, y) / t.micro_batches
-            local += loss.full_tensor() if sharded else loss
-        total += global_mean(local, dims.data.get_group())
+        inputs, targets = inputs.to(device), targets.to(device)
+        if pipeline_of(model) is not None:
+            local = run_pipeline(model, inputs, targets, t.micro_batches, loss_for(cfg.parallel), backward=False)
+        else:
+            local = torch.zeros((), device=device)
+            for x, y in zip(inputs.chunk(t.micro_batches), targets.chunk(t.micro_batches)):
+                logits = model(x)
+                sharded = isinstance(logits, DTensor)
+                with loss_parallel() if sharded else nullcontext():
+                    loss = loss_fn(logits, y) / t.micro_batches
+                local += loss.full_tensor() if sharded else loss
+        total += global_mean(local, dims.data.get_group(), pipeline_group(model))
     return total / cfg.eval.steps
 
 
@@ -237,8 +302,10 @@ def logged_step(model, optimizer, scheduler, source, step: int, cfg, dims, devic
 def run_shape(model, cfg, device) -> RunShape:
     t = cfg.training
     name, peak = device_peak_flops(device)
+    # Every rank counts, the pipeline's included; the FLOPs are the whole model's.
     return RunShape(tokens_per_step=t.global_batch * t.seq_len, world_size=dist.get_world_size(),
-                    flops_per_token=flops_per_token(model, t.seq_len), device_name=name, peak_flops=peak)
+                    flops_per_token=flops_per_token(whole_model(model), t.seq_len), device_name=name,
+                    peak_flops=peak)
 
 
 def train(model, cfg, source, dims, device, log: StepLog, unshard=None,

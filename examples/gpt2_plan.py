@@ -4,10 +4,19 @@ public plan API (parallel.plan) and torch's tensor-parallel styles, no engine ed
 Load it with:  --set model.name=gpt2 --set parallel.plan=gpt2 --set model.plugin=examples.gpt2_plan
 """
 
+import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from parallel.plan import Plan, register_plan
+from parallel.plan import Plan, Stages, register_plan
+
+
+def embed(model, tokens, positions):
+    """The first pipeline stage's computation before the blocks: token and position
+    embeddings (`positions`: the tokens' own under context parallelism, else None)."""
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return model.wte(tokens) + model.wpe(positions)
 
 register_plan(Plan(
     name="gpt2",
@@ -30,4 +39,9 @@ register_plan(Plan(
     # The attention core (q, k, v -> causal attention): with cp > 1 the engine attends across
     # the cp ranks in its place, and passes the model its tokens' positions.
     attention="blocks.*.attn.core",
+    # Pipeline stages: the embeddings are added, not run one after the other, so the first
+    # stage's computation is given; the last stage runs ln_f then lm_head, the default. The
+    # output projection shares wte's weight: on different stages, each holds a copy that
+    # the engine keeps equal.
+    stages=Stages(first=("wte", "wpe"), last=("ln_f", "lm_head"), embed=embed),
 ))

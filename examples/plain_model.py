@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from models import register_model
-from parallel.plan import Plan, register_plan
+from parallel.plan import Plan, Stages, register_plan
 
 HEAD_DIM = 16
 
@@ -69,4 +69,7 @@ register_plan(Plan(
     },
     output="head",
     shard_units={"blocks.*.attention.*": lambda model: HEAD_DIM},
+    # Pipeline stages: the embedding runs first, norm and head last, each on what the one
+    # before returns; every block takes the hidden state alone. The defaults do the rest.
+    stages=Stages(first=("embed",), last=("norm", "head")),
 ))

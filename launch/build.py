@@ -58,14 +58,18 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_we
     from models import build_on_meta
     from models.materialise import materialise
     from parallel.apply import apply_plan
+    from parallel.pipeline import parts_of, sync_tied_weights
     from parallel.plan import get_plan
 
-    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
-    applied = apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, prefetch)
-    materialise(model, device, cfg.training.seed, parameter_device="cpu" if cfg.parallel.offload else None)
+    applied = apply_plan(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), get_plan(cfg.parallel.plan),
+                         dims, cfg.parallel, prefetch)
+    model = applied.model
+    for part in parts_of(model):  # each pipeline stage's part is a model of its own
+        materialise(part, device, cfg.training.seed, parameter_device="cpu" if cfg.parallel.offload else None)
     if cfg.checkpoint.hf_import and import_weights:
         from engine.checkpoint.hf import load_hf
         load_hf(model, cfg.checkpoint.hf_import)  # a collective: each rank reads its own slices
+    sync_tied_weights(model)
     return model, applied
 
 

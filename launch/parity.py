@@ -8,6 +8,10 @@ gradient and every weight after the last step; all ranks check that what should 
 replicated over tp is bit-identical. On failure, every rank reruns step 0 with hooks
 on every module (engine/parity/localize.py) and the report names the first module that
 diverges. Returns the exit code: 0 on PASS, 1 on FAIL.
+
+Under pipeline parallel each stage's ranks hold only that stage's parameters: the first
+rank of each stage (data rank 0, tp rank 0, the members of rank 0's pp group) sends its
+whole tensors to rank 0, which compares them all.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.parity import trajectory
-from engine.parity.compare import (check_row, count_replicated, digest, full, max_abs_diff, relative_diff,
-                            replication_mismatches, tolerance_for)
+from engine.parity.compare import (check_row, digest, full, max_abs_diff, relative_diff, replication_mismatches,
+                                   tolerance_for)
 from engine.data.sources import TokenSource, build_source, local_batch
 from models.contract import vocab_size
 from engine.parity.localize import RankPiece, localize
@@ -31,6 +35,7 @@ from engine.parity.report import format_report
 from engine.parity.reference import Reference
 from engine.train import agree_on_ids, build_optimizer, evaluate, host_group, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
+from parallel.pipeline import parts_of, whole_model
 
 WORST = 10
 # full_tensor() of an FSDP+TP (_StridedShard) parameter logs a performance warning per
@@ -81,11 +86,11 @@ class ParityRun:
     def run(self) -> int:
         cfg, pc = self.cfg, self.cfg.parity
         model, applied = sharded_model(cfg, self.dims, self.device, pc.layers)
-        self.source = build_source(cfg, vocab_size(model))
+        self.source = build_source(cfg, vocab_size(whole_model(model)))
         reference = build_reference(cfg, self.device) if self.rank0 and pc.reference else None
         self.describe(model, reference)
         self.compare_weights(model, reference, "initial weights (bitwise)", initial=True)
-        layout_hook = self.record_post_forward_layout(model, applied.blocks[0])
+        layout_hook = self.record_post_forward_layout(parts_of(model)[0], applied.blocks[0])
 
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
         self.ids_group = host_group() if isinstance(self.source, TokenSource) else None
@@ -129,27 +134,43 @@ class ParityRun:
             "device": f"{self.device.type}/{pick_device(cfg)[1]}",
             "reference": str(reference_device(reference)) if reference is not None else "none",
             "model": f"{cfg.model.name}/{cfg.model.flavor}", "plan": cfg.parallel.plan,
-            "layers": getattr(getattr(model, "args", None), "n_layers", None),
+            "layers": getattr(getattr(whole_model(model), "args", None), "n_layers", None),
             "dtype": cfg.parallel.param_dtype, "optimizer": cfg.optim.name, "steps": cfg.parity.steps,
             "micro_batches": cfg.training.micro_batches,
+            "pipeline": self.describe_pipeline(model),
             "settings": {k: v for k, v in vars(cfg.parallel).items() if k not in ("device", "backend")},
             "tolerance": self.tolerance.describe(),
             "golden": cfg.parity.check_against or None, "recorded": cfg.parity.record or None,
         })
 
+    @staticmethod
+    def describe_pipeline(model) -> dict | None:
+        """The schedule and the blocks of each stage (None without pp)."""
+        pipeline = getattr(model, "pipeline", None)
+        if pipeline is None:
+            return None
+        return {"schedule": pipeline.schedule_name, "stages_per_rank": len(pipeline.parts),
+                "blocks_per_stage": pipeline.stage_blocks}
+
+    def whole_on_rank0(self, named, pipeline) -> dict[str, torch.Tensor]:
+        """Each named tensor whole (a gather within the stage, on every rank, in the same
+        order), collected on rank 0 from every pipeline stage; empty elsewhere."""
+        wholes = {name: full(tensor) for name, tensor in named}
+        if pipeline is None:
+            return wholes if self.rank0 else {}
+        return pipeline.gather_on_rank0({name: t.detach().cpu() for name, t in wholes.items()})
+
     def keep_reference_grads(self, model) -> None:
-        self.reference_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
-                                if p.grad is not None}
+        # Every name of a shared parameter: a pipeline stage may hold it under either.
+        self.reference_grads = {name: p.grad.detach().clone()
+                                for name, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
 
     def compare_step0_gradients(self, model) -> None:
         """Every full gradient (a gather per parameter, on every rank) against the reference's,
         on rank 0; then what must be replicated over tp, on every rank."""
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         diffs, summaries, digests, largest = {}, {}, {}, 0.0
-        for name, grad in named:
-            whole = full(grad)
-            if not self.rank0:
-                continue
+        for name, whole in self.whole_on_rank0(named, getattr(model, "pipeline", None)).items():
             summaries[name], digests[name] = trajectory.gradient_summary(whole), digest(whole)
             if self.reference_grads is not None:
                 expected = self.reference_grads[name]
@@ -159,8 +180,7 @@ class ParityRun:
         self.gradient_summaries = summaries
         self.largest_grad = largest
         self.report["gradient_digests"] = digests
-        mismatches = replication_mismatches(named, self.tp_group, self.device)
-        self.check_replicated("step-0 gradients", named, mismatches)
+        self.check_replicated("step-0 gradients", named)
         if diffs:
             worst = sorted(diffs.items(), key=lambda item: -item[1])
             limit = self.tolerance.grad_limit(largest)
@@ -173,14 +193,13 @@ class ParityRun:
         # Not detach(): on CUDA with parallel.offload it fails on the CPU-held shard of a
         # DTensor ("Attempted to set the storage ... on device cpu", torch 2.11).
         named = list(model.named_parameters())
-        expected = dict(reference.model.named_parameters()) if reference is not None else {}
+        expected = dict(reference.model.named_parameters(remove_duplicate=False)) if reference is not None else {}
         worst = (0.0, "")
-        for name, weight in named:
-            whole = full(weight)
+        for name, whole in self.whole_on_rank0(named, getattr(model, "pipeline", None)).items():
             if name in expected:
                 worst = max(worst, (max_abs_diff(whole, expected[name]), name))
         if not initial:
-            self.check_replicated(what, named, replication_mismatches(named, self.tp_group, self.device))
+            self.check_replicated(what, named)
         if reference is None:
             return
         limit = 0.0 if initial else self.tolerance.params_limit(list(lrs), self.largest_grad)
@@ -190,7 +209,7 @@ class ParityRun:
     def check_evaluation(self, model, reference) -> None:
         """The held-out loss after the last step (eval.every > 0), on the mesh and on one device."""
         cfg = self.cfg
-        source = build_source(cfg, vocab_size(model), split="eval")
+        source = build_source(cfg, vocab_size(whole_model(model)), split="eval")
         self.report["val_loss"] = evaluate(model, source, cfg, self.dims, self.device, self.ids_group)
         if reference is None:
             return
@@ -199,11 +218,11 @@ class ParityRun:
                                      abs(self.report["val_loss"] - self.report["reference_val_loss"]),
                                      self.tolerance.loss_at(cfg.parity.steps)))
 
-    def check_replicated(self, what: str, named, mismatches: dict[str, float]) -> None:
+    def check_replicated(self, what: str, named) -> None:
         if self.tp_group is None:
             return
-        self.report.setdefault("replicated_over_tp", {})[what] = {
-            "checked": count_replicated(named), "differing": mismatches}
+        checked, mismatches = replication_mismatches(named, self.tp_group, self.device)
+        self.report.setdefault("replicated_over_tp", {})[what] = {"checked": checked, "differing": mismatches}
         detail = ", ".join(f"{n} ({d:.1e})" for n, d in list(mismatches.items())[:WORST])
         self.checks.append(check_row(f"replicated over tp, bit-identical: {what}", len(mismatches), 0, detail))
 
@@ -253,10 +272,13 @@ class ParityRun:
         reference = build_reference(cfg, self.device)
         dims = self.dims
         tp_size = dims.spec.tp
+        pipeline = getattr(model, "pipeline", None)
+        # A pipeline schedule needs its micro-batches; without one, step 0 runs in one pass.
+        micro = cfg.training.micro_batches if pipeline is not None else 1
         where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size,
-                          dims.cp_rank, dims.cp_size)
+                          dims.cp_rank, dims.cp_size, micro)
         found = localize(model, reference, *self.batch(0), *self.global_batch(0, reference_device(reference)),
-                         where, self.tolerance, self.device)
+                         where, self.tolerance, self.device, pipeline.stage_of if pipeline is not None else None)
         found["compile"] = "off for the rerun" if self.cfg.parallel.compile else "off"
         return found
 

@@ -146,6 +146,11 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
                       cfg.parallel.sequence_parallel)
+    if spec.pp > 1:  # on the depth that will run: --parity may reduce it
+        from parallel.pipeline import check_settings
+        depth = cfg.parity.layers if args.parity else 0
+        staged = build_on_meta(cfg.model.name, cfg.model.flavor, depth) if depth else model
+        check_settings(plan, staged, spec.pp, cfg.parallel, cfg.training.micro_batches)
     data_size = spec.hsdp * spec.dp
     if cfg.training.global_batch % data_size:
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not divide over "
@@ -229,6 +234,7 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     from engine.metrics.log import StepLog
     from engine.train import train
     from parallel.plan import get_plan
+    from parallel.pipeline import parts_of, whole_model
     from parallel.prefetch import prefetch_order, unshard_ahead
     from parallel.reshard import describe_auto
 
@@ -247,14 +253,17 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     if cfg.checkpoint.hf_import and resume_from is None:
         log.print(f"weights from Hugging Face checkpoint {cfg.checkpoint.hf_import} (optimizer, schedule "
                   f"and data start fresh at step 0)")
-    log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    log.print(f"parameters: {sum(p.numel() for p in whole_model(model).parameters()):,}")
     if show_plan:
         from parallel.explain import explain
         log.print(explain(model, applied))
-    source = build_source(cfg, vocab_size(model))
-    eval_source = build_source(cfg, vocab_size(model), split="eval") if cfg.eval.every else None
+    source = build_source(cfg, vocab_size(whole_model(model)))
+    eval_source = build_source(cfg, vocab_size(whole_model(model)), split="eval") if cfg.eval.every else None
     ahead = cfg.prefetch.unshard_ahead
-    unshard = functools.partial(unshard_ahead, model, prefetch_order(model, plan), ahead) if ahead else None
+    unshard = None
+    if ahead:  # each pipeline stage's part gathers its own root and first blocks
+        orders = [(part, prefetch_order(part, plan)) for part in parts_of(model)]
+        unshard = functools.partial(unshard_ahead, orders, ahead)
     train(model, cfg, source, dims, device, log, unshard, Checkpointer(cfg, dims, log, resume_from), eval_source)
     if cfg.checkpoint.hf_export:
         from engine.checkpoint.hf import save_hf

@@ -1,6 +1,10 @@
 """Applies a plan to a meta-device model. The order lives here and only here:
 
-1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh,
+0. with pp > 1, the model splits into this rank's pipeline stages (parallel/pipeline.py),
+   each a part of the model that keeps only its own blocks (and the embedding on the first
+   stage, the output on the last); steps 1 to 6 then apply to each part as to a model,
+1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh, then, with cp > 1,
+   attention across the cp ranks (parallel/context.py),
 2. activation checkpointing, per block,
 3. torch.compile, per block,
 4. fully_shard on every block (with the reshard-after-forward setting),
@@ -8,9 +12,8 @@
 6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
 AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
-the recomputed and compiled regions. With cp > 1 the plan's attention cores are made
-to attend across the cp ranks right after step 1 (parallel/context.py), so AC and
-compile wrap that attention as they wrap the rest of the block.
+the recomputed and compiled regions. The cp step comes right after TP, so AC and
+compile wrap the attention across cp ranks as they wrap the rest of the block.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from engine.config import ParallelConfig
 from parallel.context import apply_context_parallel
 from parallel.mesh import ParallelDims
+from parallel.pipeline import build_pipeline, join_parts, split_into_parts
 from parallel.plan import Plan, expand
 from parallel.prefetch import apply_prefetch, prefetch_order
 from parallel.validate import validate_plan
@@ -52,8 +56,7 @@ def tensor_parallel_styles(model: nn.Module, plan: Plan, options: ParallelConfig
         patterns.update(plan.sequence_parallel)
     styles = {path: style for pattern, style in patterns.items()
               for path in expand(model, pattern, plan.name)}
-    if plan.output is not None:
-        expand(model, plan.output, plan.name)
+    if plan.output is not None and expand(model, plan.output, plan.name):
         styles[plan.output] = ColwiseParallel(
             input_layouts=Shard(1) if options.sequence_parallel else Replicate(),
             output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
@@ -146,52 +149,74 @@ def fsdp_policies(options: ParallelConfig, device_type: str) -> dict:
     return policies
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
-               options: ParallelConfig) -> bool | int:
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,
+               reshard: bool | int, post_forward_mesh=None) -> None:
+    """`post_forward_mesh`: the engine's own, for an integer reshard that fully_shard cannot
+    apply by itself (parallel/reshard.py)."""
     policies = fsdp_policies(options, dims.device_type)
-    reshard = resolve_reshard(options.reshard_after_forward, dims.spec)
-    post_forward_mesh = None
-    if needs_own_post_forward_mesh(reshard, dims.spec):
-        post_forward_mesh = build_post_forward_mesh(dims, reshard)
     for block in blocks:
         fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
                     **policies)
         if post_forward_mesh is not None:
             install_post_forward_mesh(block, post_forward_mesh)
     fully_shard(model, mesh=dims.fsdp, reshard_after_forward=options.root_reshard_after_forward, **policies)
-    return reshard
 
 
 @dataclass
 class AppliedPlan:
-    """What apply_plan did, for --explain."""
+    """What apply_plan did, for --explain; `model` is what trains: the model itself, or
+    with pp > 1 the module holding this rank's stages (with `.pipeline`)."""
 
     plan: Plan
     options: ParallelConfig
+    model: nn.Module | None = None
     tp_styles: dict[str, object] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
     compiled: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
     block_reshard: bool | int = True
+    stages: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
+
+
+def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: ParallelConfig, prefetch,
+                  applied: AppliedPlan, post_forward_mesh) -> None:
+    """Steps 1 to 6 on one model (or one stage's part of it)."""
+    paths = expand(model, plan.blocks, plan.name)
+    applied.blocks += paths
+    blocks = [model.get_submodule(path) for path in paths]
+    tp_styles = {}
+    if dims.tp_enabled:
+        tp_styles = apply_tensor_parallel(model, plan, dims, options)
+        applied.tp_styles.update(tp_styles)
+    if dims.cp_enabled:
+        applied.attention += apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype))
+    if options.activation_checkpoint != "none":
+        applied.checkpointed += apply_activation_checkpoint(paths, model, options)
+    if options.compile:
+        apply_compile(model, blocks, list(tp_styles), paths)
+        applied.compiled += paths
+    apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh)
+    if prefetch is not None:
+        apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
 
 
 def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
                options: ParallelConfig | None = None, prefetch=None) -> AppliedPlan:
-    """`prefetch` is the config's PrefetchConfig; None keeps FSDP2's implicit prefetch."""
+    """`prefetch` is the config's PrefetchConfig; None keeps FSDP2's implicit prefetch.
+    The model to train is the result's `model`."""
     options = options or ParallelConfig()
-    applied = AppliedPlan(plan, options, blocks=expand(model, plan.blocks, plan.name))
-    blocks = [model.get_submodule(path) for path in applied.blocks]
-    if dims.tp_enabled:
-        applied.tp_styles = apply_tensor_parallel(model, plan, dims, options)
-    if dims.cp_enabled:
-        applied.attention = apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype))
-    if options.activation_checkpoint != "none":
-        applied.checkpointed = apply_activation_checkpoint(applied.blocks, model, options)
-    if options.compile:
-        apply_compile(model, blocks, list(applied.tp_styles), applied.blocks)
-        applied.compiled = list(applied.blocks)
-    applied.block_reshard = apply_fsdp(model, blocks, dims, options)
-    if prefetch is not None:
-        apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
+    applied = AppliedPlan(plan, options, block_reshard=resolve_reshard(options.reshard_after_forward, dims.spec))
+    post_forward_mesh = None
+    if needs_own_post_forward_mesh(applied.block_reshard, dims.spec):
+        post_forward_mesh = build_post_forward_mesh(dims, applied.block_reshard)
+    parts = [model]
+    if dims.pp_enabled:
+        parts = split_into_parts(model, plan, dims.spec.pp, dims.pp.get_local_rank(), options, dims.spec.tp)
+        applied.stages = [part.stage_index for part in parts]
+    for part in parts:
+        apply_to_part(part, plan, dims, options, prefetch, applied, post_forward_mesh)
+    applied.model = join_parts(parts)
+    if dims.pp_enabled:
+        applied.model.pipeline = build_pipeline(parts, model, plan, dims, options)
     return applied

@@ -181,9 +181,12 @@ def attend_across_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
 
 
 def _pass_positions(state: ContextState, module, args, kwargs):
-    tokens = args[0]
-    kwargs.setdefault("positions", local_positions(tokens.shape[1], state.rank, state.size, tokens.device))
-    state.prepare(tokens.shape[1], tokens.device)
+    # A later pipeline stage receives the hidden state, with sequence parallel its tp-th
+    # of the rank's tokens (parallel/pipeline.py: sequence_split).
+    first = args[0]
+    length = first.shape[1] * getattr(module, "sequence_split", 1)
+    kwargs.setdefault("positions", local_positions(length, state.rank, state.size, first.device))
+    state.prepare(length, first.device)
     return args, kwargs
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parallel.apply import AppliedPlan
+from parallel.pipeline import whole_model
 
 
 def describe_style(style) -> str:
@@ -29,6 +31,20 @@ def _counts(module: nn.Module) -> tuple[int, int]:
     params = list(module.parameters(recurse=False))
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     return local, sum(p.numel() for p in params)
+
+
+def describe_stages(model: nn.Module) -> list[str]:
+    """Under pipeline parallel: what each stage holds, and which of them this rank runs."""
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is None:
+        return []
+    lines = [f"pipeline: {pipeline.schedule_name}, {pipeline.n_stages} stages over pp={dist.get_world_size(pipeline.group)}"
+             f", this rank holds stage {', '.join(map(str, pipeline.stage_indices))} (table above)"]
+    for stage, blocks in enumerate(pipeline.stage_blocks):
+        first = list(pipeline.stages.first) if stage == 0 else []
+        last = list(pipeline.stages.last) if stage == pipeline.n_stages - 1 else []
+        lines.append(f"  stage {stage}: {', '.join(first + blocks + last)}")
+    return lines
 
 
 def explain(model: nn.Module, applied: AppliedPlan) -> str:
@@ -56,7 +72,8 @@ def explain(model: nn.Module, applied: AppliedPlan) -> str:
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
     params = list(model.parameters())  # de-duplicated, unlike per-module counts of tied weights
     total_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-    total_full = sum(p.numel() for p in params)
+    total_full = sum(p.numel() for p in whole_model(model).parameters())
+    lines += describe_stages(model)
     lines.append(f"this rank holds {total_local:,} of {total_full:,} parameters "
                  f"({100 * total_local / max(1, total_full):.1f}%); mixed precision "
                  f"{options.param_dtype}/{options.reduce_dtype}, offload {options.offload}, "

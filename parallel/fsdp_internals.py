@@ -1,5 +1,5 @@
 """The one place the engine reaches into FSDP2's private internals: installing its own
-post-forward mesh for integer `reshard_after_forward` with tensor parallel
+post-forward mesh for integer `reshard_after_forward` with tensor or pipeline parallel
 (parallel/reshard.py says why fully_shard cannot do that by itself).
 
 What it touches, the same on torch 2.11 to 2.15 except where noted:
@@ -68,10 +68,10 @@ def check_supported() -> None:
     missing = missing_internals()
     if missing:
         raise UserError(
-            f"an integer parallel.reshard_after_forward with tensor parallel needs FSDP2 internals "
-            f"that torch {torch.__version__} does not have ({', '.join(missing)}). Use "
-            f"parallel.reshard_after_forward=true or false with tp > 1 on this torch, or an "
-            f"integer on a mesh without tp, where fully_shard supports it by itself.")
+            f"an integer parallel.reshard_after_forward with tensor or pipeline parallel needs FSDP2 "
+            f"internals that torch {torch.__version__} does not have ({', '.join(missing)}). Use "
+            f"parallel.reshard_after_forward=true or false with tp > 1 or pp > 1 on this torch, or an "
+            f"integer on a mesh without tp and pp, where fully_shard supports it by itself.")
 
 
 def param_groups(module: nn.Module) -> list:

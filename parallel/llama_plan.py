@@ -4,7 +4,15 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
-from parallel.plan import Plan, register_plan
+from parallel.plan import Plan, Stages, register_plan
+
+def rope_block(model, block, h, positions):
+    """One block of a pipeline stage: it reads the RoPE tables, at `positions` if given."""
+    cos, sin = model.rope_cos, model.rope_sin
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    return block(h, cos, sin)
+
 
 LLAMA = register_plan(Plan(
     name="llama",
@@ -43,4 +51,8 @@ LLAMA = register_plan(Plan(
     shard_units={"layers.*.attention.w?": lambda model: model.args.head_dim},
     # Context parallelism attends across ranks in place of this module.
     attention="layers.*.attention.core",
+    # Pipeline stages: the embedding first, the final norm and output last; every block
+    # also reads the RoPE tables, which each stage keeps as buffers (at its tokens'
+    # positions under context parallelism).
+    stages=Stages(first=("tok_embeddings",), last=("norm", "output"), block=rope_block),
 ))

@@ -1,7 +1,9 @@
 """The `--mesh` text, its validation, and the named DeviceMesh built from it.
 
-The grid has four named dimensions, outermost first:
+The grid has five named dimensions, outermost first:
 
+    pp    pipeline stages, outermost: only activations cross it, point to point,
+          so it is the one dimension that spans nodes cheaply
     hsdp  replica groups (HSDP replicates across them)
     dp    FSDP shard degree inside each replica group
     cp    context parallel degree: each rank holds a part of every sequence
@@ -18,9 +20,9 @@ from dataclasses import dataclass
 
 from engine.errors import UserError
 
-DIM_ORDER = ("hsdp", "dp", "cp", "tp")
+DIM_ORDER = ("pp", "hsdp", "dp", "cp", "tp")
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
-_EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh hsdp=2,dp=2,tp=2"
+_EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh pp=2,hsdp=2,dp=2,tp=2"
 
 
 @dataclass(frozen=True)
@@ -30,19 +32,22 @@ class MeshSpec:
     hsdp: int = 1
     dp: int = 1
     tp: int = 1
-    cp: int = 1  # last here so that positional (hsdp, dp, tp) stays valid; third in the mesh
+    # Added after (hsdp, dp, tp) so that positional (hsdp, dp, tp) stays valid; their
+    # places in the mesh are DIM_ORDER's: pp outermost, cp third from the inside.
+    cp: int = 1
+    pp: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
         """In DIM_ORDER, outermost first."""
-        return (self.hsdp, self.dp, self.cp, self.tp)
+        return (self.pp, self.hsdp, self.dp, self.cp, self.tp)
 
     @property
     def world_size(self) -> int | None:
         """The number of ranks this mesh needs, or None while a -1 is unresolved."""
         if -1 in self.sizes:
             return None
-        return self.hsdp * self.dp * self.cp * self.tp
+        return self.pp * self.hsdp * self.dp * self.cp * self.tp
 
     @property
     def shard_size(self) -> int:
@@ -125,10 +130,12 @@ class ParallelDims:
     `fsdp` is what fully_shard gets: 1-D (dp) or, with hsdp > 1, 2-D (hsdp, dp).
     With cp > 1 its shard dimension is dp x cp flattened (`dp_cp`), so cp ranks hold
     no duplicate parameters and gradients are averaged over them too.
-    `tp` is the tensor-parallel sub-mesh, `cp` the context-parallel one. `data` is
-    hsdp x dp x cp flattened: each of its ranks holds different tokens of the global
-    batch, and loss averages use its group. Ranks with the same `data_rank` (the
-    hsdp x dp coordinate) read the same rows, each cp rank its own part of them.
+    `tp` is the tensor-parallel sub-mesh, `cp` the context-parallel one, `pp` the
+    pipeline one. `data` is hsdp x dp x cp flattened: each of its ranks holds different
+    tokens of the global batch, and loss averages use its group. Ranks with the same
+    `data_rank` (the hsdp x dp coordinate) read the same rows, each cp rank its own part
+    of them, and every stage of one pipeline the same rows and parts.
+    All of them are this rank's slice: with pp > 1 each stage has its own.
     """
 
     spec: MeshSpec
@@ -138,6 +145,7 @@ class ParallelDims:
     tp: "DeviceMesh"  # noqa: F821
     data: "DeviceMesh"  # noqa: F821
     cp: "DeviceMesh"  # noqa: F821
+    pp: "DeviceMesh"  # noqa: F821
 
     @property
     def tp_enabled(self) -> bool:
@@ -146,6 +154,10 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.spec.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.spec.pp > 1
 
     @property
     def data_rank(self) -> int:
@@ -165,7 +177,7 @@ class ParallelDims:
 
 
 def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
-    """Build the named 4-D DeviceMesh; the process group must already exist."""
+    """Build the named 5-D DeviceMesh; the process group must already exist."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = init_device_mesh(device_type, spec.sizes, mesh_dim_names=DIM_ORDER)
@@ -177,4 +189,4 @@ def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
     else:  # (hsdp, dp_cp): slicing a flattened dimension out of `world` is deprecated
         fsdp = data._unflatten(0, (spec.hsdp, spec.shard_size), ("hsdp", "dp_cp"))
     return ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
-                        tp=world["tp"], data=data, cp=world["cp"])
+                        tp=world["tp"], data=data, cp=world["cp"], pp=world["pp"])

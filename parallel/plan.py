@@ -1,10 +1,11 @@
 """What a parallelize plan is: plain data about one model, plus a registry by name.
 
 A plan says which modules are the repeated blocks (FSDP units) and which
-tensor-parallel style goes on which submodule. Paths are dot-separated module
-names in which each part may be a shell-style glob, so "layers.*.attention.wq"
-names the query projection of every block. The engine (parallel/apply.py)
-decides the order in which the pieces are applied; a plan never does.
+tensor-parallel style goes on which submodule, and how the model runs when its
+blocks are split over pipeline stages. Paths are dot-separated module names in which
+each part may be a shell-style glob, so "layers.*.attention.wq" names the query
+projection of every block. The engine (parallel/apply.py) decides the order in which
+the pieces are applied; a plan never does.
 """
 
 from __future__ import annotations
@@ -13,10 +14,37 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from engine.errors import UserError
+
+
+@dataclass(frozen=True)
+class Stages:
+    """How the model runs split into pipeline stages (parallel/pipeline.py). Each stage
+    holds a run of consecutive blocks; the first stage also holds `first` (what runs
+    before the blocks: the embedding), the last also holds `last` (what runs after
+    them: final norm and output projection). A stage computes, on what it holds:
+
+        h = embed(model, tokens, positions)        first stage only
+        h = block(model, module, h, positions)     for each of its blocks, in order
+        logits = head(model, h)                    last stage only
+
+    where `model` is the stage's copy of the model: every module it does not hold is
+    gone, buffers (RoPE tables, say) stay. `positions` is each local token's position in
+    its sequence under context parallelism (cp > 1, where a rank holds two chunks of every
+    sequence), and None otherwise, meaning 0, 1, ...: what the model's own
+    forward(tokens, positions=None) takes. The defaults call the `first` modules one
+    after the other on the tokens, each block on the hidden state alone, and the `last`
+    modules one after the other; they ignore `positions`."""
+
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    embed: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    block: Callable[[nn.Module, nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    head: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +66,8 @@ class Plan:
     # Block paths in forward execution order, for models that do not run their blocks in
     # module order; None means module order. Used by explicit prefetch (parallel/prefetch.py).
     prefetch_order: tuple[str, ...] | None = None
+    # How the model splits into pipeline stages; None refuses pp > 1.
+    stages: Stages | None = None
     # Path glob of the attention cores: modules called as core(q, k, v) on (batch, heads,
     # seq, head_dim) tensors that return causal softmax attention. With cp > 1 the engine
     # attends across the cp ranks in their place (parallel/context.py); None refuses cp > 1.
@@ -58,6 +88,11 @@ def get_plan(name: str) -> Plan:
     return PLANS[name]
 
 
+def is_stage_part(model: nn.Module) -> bool:
+    """Whether `model` is one pipeline stage's part of a model (parallel/pipeline.py)."""
+    return hasattr(model, "stage_index")
+
+
 def path_matches(pattern: str, path: str) -> bool:
     """Glob match part by part, so "*" never crosses a dot."""
     parts, pattern_parts = path.split("."), pattern.split(".")
@@ -66,9 +101,11 @@ def path_matches(pattern: str, path: str) -> bool:
 
 
 def expand(model: nn.Module, pattern: str, plan_name: str) -> list[str]:
-    """The module paths `pattern` names, in model order; an error if there are none."""
+    """The module paths `pattern` names, in model order; an error if there are none, except
+    in a pipeline stage's part of the model (parallel/pipeline.py), which holds only some
+    modules (the whole model was checked before it was split)."""
     paths = [name for name, _ in model.named_modules() if name and path_matches(pattern, name)]
-    if not paths:
+    if not paths and not is_stage_part(model):
         raise UserError(
             f"plan {plan_name!r}: pattern {pattern!r} matches no module of "
             f"{type(model).__name__}. Check the path against the model's module names "

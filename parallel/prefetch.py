@@ -16,13 +16,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from engine.errors import UserError
-from parallel.plan import Plan, expand
+from parallel.plan import Plan, expand, is_stage_part
 
 
 def prefetch_order(model: nn.Module, plan: Plan) -> list[FSDPModule]:
     """The blocks in forward execution order: the plan's own order, else model order."""
     paths = list(plan.prefetch_order) if plan.prefetch_order is not None else expand(model, plan.blocks, plan.name)
     modules = dict(model.named_modules())
+    if is_stage_part(model):  # a pipeline stage prefetches only the blocks it holds
+        paths = [path for path in paths if path in modules]
     blocks = []
     for path in paths:
         block = modules.get(path)
@@ -45,9 +47,11 @@ def apply_prefetch(model: FSDPModule, blocks: list[FSDPModule], forward: int, ba
             module.set_modules_to_backward_prefetch(order[i + 1:i + 1 + backward])
 
 
-def unshard_ahead(model: FSDPModule, blocks: list[FSDPModule], count: int) -> None:
-    """Start the all-gathers of the root and the first `count` blocks without waiting, so
+def unshard_ahead(orders: list[tuple[FSDPModule, list[FSDPModule]]], count: int) -> None:
+    """Start the all-gathers of each root and its first `count` blocks without waiting, so
     they overlap with whatever runs before the forward (moving the batch to the device).
-    Each module's pre-forward waits for its own handle."""
-    for module in [model, *blocks[:count]]:
-        module.unshard(async_op=True)
+    Each module's pre-forward waits for its own handle. `orders` holds (root, blocks in
+    forward order): one pair, or one per pipeline stage this rank holds."""
+    for model, blocks in orders:
+        for module in [model, *blocks[:count]]:
+            module.unshard(async_op=True)

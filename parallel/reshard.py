@@ -2,15 +2,16 @@
 group of k ranks (the intra-node group) instead of the whole shard group, so the
 backward all-gather stays on the fast links.
 
-On a mesh without tp, fully_shard does this by itself and the engine passes k on.
-With tp it cannot: fully_shard builds the post-forward DeviceMesh from the calling
-rank's own dp row, so ranks with different tp coordinates issue different
-`new_group` calls and hang, and FSDP refuses to reshard TP (DTensor) parameters onto
-a smaller mesh. So with tp the engine builds the post-forward mesh once, the same
-way on every rank, as (groups, k, tp) over the whole world, and installs it on each
-FSDP parameter group; TP parameters get a post-forward DTensor on that 3-D mesh
-with placements (Replicate, <FSDP's shard placement>, <TP placement>). That part
-touches FSDP2 internals and lives in parallel/fsdp_internals.py.
+When the FSDP mesh is the whole world (no tp, no pp), fully_shard does this by itself
+and the engine passes k on. Otherwise it cannot: fully_shard builds the post-forward
+DeviceMesh from the calling rank's own dp row, so ranks with different tp (or pp)
+coordinates issue different `new_group` calls and hang, and FSDP refuses to reshard
+TP (DTensor) parameters onto a smaller mesh. So there the engine builds the
+post-forward mesh once, the same way on every rank, as (pp, groups, k, tp) over the
+whole world, and installs this rank's (groups, k, tp) slice on each FSDP parameter
+group; TP parameters get a post-forward DTensor on that 3-D mesh with placements
+(Replicate, <FSDP's shard placement>, <TP placement>). That part touches FSDP2
+internals and lives in parallel/fsdp_internals.py.
 """
 
 from __future__ import annotations
@@ -72,15 +73,17 @@ def resolve_reshard(setting, spec: MeshSpec, local_world_size: int | None = None
 
 
 def needs_own_post_forward_mesh(reshard: bool | int, spec: MeshSpec) -> bool:
-    """An integer that fully_shard cannot apply by itself: one with tensor parallel."""
-    return not isinstance(reshard, bool) and spec.tp > 1
+    """An integer that fully_shard cannot apply by itself: one whose FSDP mesh is not the
+    whole world (tensor or pipeline parallel)."""
+    return not isinstance(reshard, bool) and (spec.tp > 1 or spec.pp > 1)
 
 
 def build_post_forward_mesh(dims: ParallelDims, k: int) -> DeviceMesh:
-    """(hsdp*dp*cp/k, k, tp) over the whole world, built identically on every rank.
-    Rank order matches (hsdp, dp, cp, tp), so each post_shard row is k consecutive
-    members of one FSDP shard group (dp x cp)."""
+    """(pp, hsdp*dp*cp/k, k, tp) over the whole world, built identically on every rank, and
+    this rank's (hsdp*dp*cp/k, k, tp) slice of it. Rank order matches (pp, hsdp, dp, cp,
+    tp), so each post_shard row is k consecutive members of one FSDP shard group (dp x cp)."""
     check_supported()
     spec = dims.spec
-    return init_device_mesh(dims.device_type, (spec.hsdp * spec.shard_size // k, k, spec.tp),
-                            mesh_dim_names=POST_FORWARD_DIMS)
+    world = init_device_mesh(dims.device_type, (spec.pp, spec.hsdp * spec.shard_size // k, k, spec.tp),
+                             mesh_dim_names=("pp", *POST_FORWARD_DIMS))
+    return world[POST_FORWARD_DIMS]

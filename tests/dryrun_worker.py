@@ -83,20 +83,25 @@ def measure(layouts, out: Path) -> None:
 def extrapolation(layouts, out: Path, world_size: int) -> None:
     """For --plan-for's shortcut: rank 0's step simulated at full depth, and extrapolated
     from one and two block periods, side by side in OUT/extrapolated-<layout>.json."""
-    from engine.dryrun.search import Layout, observe
-    from engine.dryrun.simulate import eager, observe_rank_zero
+    from engine.dryrun.search import Layout, observe, observe_stage_roles
+    from engine.dryrun.simulate import eager, observe_rank_zero, pipeline_ranks
     from models import model_args
 
     for index, (mesh, overrides) in enumerate(layouts):
         cfg, _ = eager(layout_config(mesh, overrides))
         spec = parse_mesh(mesh).resolve(world_size)
-        layout = Layout(spec, str(cfg.parallel.reshard_after_forward).lower(), cfg.parallel.activation_checkpoint,
-                        cfg.training.micro_batches)
+        p = cfg.parallel
+        layout = Layout(spec, str(p.reshard_after_forward).lower(), p.activation_checkpoint,
+                        cfg.training.micro_batches, schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank)
         depth = model_args(cfg.model.name, cfg.model.flavor).n_layers
-        full = observe_rank_zero(cfg, spec, world_size)
-        guess = observe(cfg, layout, world_size, depth)
-        (out / f"extrapolated-{index}.json").write_text(json.dumps({"full": full.as_dict(),
-                                                                     "extrapolated": guess.as_dict()}))
+        if spec.pp == 1:
+            pairs = [(observe_rank_zero(cfg, spec, world_size), observe(cfg, layout, world_size, depth))]
+        else:  # each stage role: simulated at full depth, and extrapolated as --plan-for does
+            ranks = [rank * (world_size // spec.pp) for rank in pipeline_ranks(cfg, spec)]
+            guesses = [observed for observed, _ in observe_stage_roles(cfg, layout, world_size, depth)]
+            pairs = [(observe_rank_zero(cfg, spec, world_size, rank=rank), guess) for rank, guess in zip(ranks, guesses)]
+        (out / f"extrapolated-{index}.json").write_text(json.dumps(
+            [{"full": full.as_dict(), "extrapolated": guess.as_dict()} for full, guess in pairs]))
 
 
 if __name__ == "__main__":

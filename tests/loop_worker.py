@@ -133,7 +133,7 @@ def check_prefetch(dims, cfg, source, options: ParallelConfig) -> dict:
         model = sharded_model(plan, dims, prefetch, options)
         blocks = prefetch_order(model, plan)
         recorder = Recorder(model, blocks)
-        unshard = (lambda: unshard_ahead(model, blocks, depth)) if depth else None
+        unshard = (lambda: unshard_ahead([(model, blocks)], depth)) if depth else None
         if unshard:
             unshard()
         recorder.events.append(("batch_ready", -1))

@@ -1,6 +1,7 @@
 """Print the combination matrix and the extra parity rows as markdown tables (the
 figures in docs/parallelism.md): `launch/run.py --parity` once per row of
-tests/combinations.py and of tests/test_parity.py, with each launch's wall time.
+tests/combinations.py, of tests/test_parity.py and of tests/test_pipeline.py, and of
+the pipeline table below, with each launch's wall time.
 
 usage: python -m tests.parity_matrix [ROW ...]     (from the repository root, in .venv;
                                                    ROW: a combination index or an extra id)
@@ -14,10 +15,22 @@ from pathlib import Path
 from tests.combinations import FACTORS, ROWS, STEPS, mesh_of, overrides
 from tests.distributed import parity_report
 from tests.test_parity import MATRIX
+from tests.test_pipeline import PIPELINE_ROWS
+
+# The pipeline layouts of docs/parallelism.md's parity table that the suite covers through
+# the combination matrix instead (there with other settings varied at the same time).
+PIPELINE_TABLE = {
+    "pp2": ("pp=2", ("training.micro_batches=2",)),
+    "pp2-dp2": ("pp=2,dp=2", ("training.micro_batches=2",)),
+    "pp2-tp2-sp": ("pp=2,tp=2", ("parallel.sequence_parallel=true", "training.micro_batches=2")),
+    "pp2-compile-ac": ("pp=2", ("parallel.compile=true", "parallel.activation_checkpoint=full",
+                                "training.micro_batches=2")),
+}
 
 DEFAULTS = {"sequence_parallel": False, "loss_parallel": False, "activation_checkpoint": "none",
             "compile": False, "reshard_after_forward": "true", "param_dtype": "float32", "offload": False,
-            "micro_batches": 1, "prefetch_forward": 0, "prefetch_backward": 0, "optimizer": "adamw"}
+            "micro_batches": 1, "prefetch_forward": 0, "prefetch_backward": 0, "optimizer": "adamw",
+            "pipeline": "off", "evaluation": False}
 HEADER = ("| row | mesh | settings (besides the defaults) | verdict | step-0 loss diff | max grad diff | "
           "grad-norm rel diff | max later-loss diff | seconds |\n|---|---|---|---|---|---|---|---|---|")
 
@@ -47,7 +60,7 @@ def main(chosen: list[str]) -> None:
         total += seconds
         settings = " ".join(f"{k}={row[k]}" for k in FACTORS if k != "mesh" and row[k] != DEFAULTS[k])
         print(line(str(index), mesh_of(row), settings, report, seconds), flush=True)
-    for case, (mesh, settings) in MATRIX.items():
+    for case, (mesh, settings) in {**MATRIX, **PIPELINE_ROWS, **PIPELINE_TABLE}.items():
         if chosen and case not in chosen:
             continue
         report, seconds = timed(root, mesh, *settings)

@@ -41,7 +41,7 @@ def assert_clean_error(result, *fragments):
 
 
 BAD_INPUT = [
-    (["--mesh", "dp=4,pp=2"], ["unknown dimension 'pp'", "hsdp, dp, cp, tp"]),
+    (["--mesh", "dp=4,ep=2"], ["unknown dimension 'ep'", "pp, hsdp, dp, cp, tp"]),
     (["--mesh", "dp=4,tp"], ["cannot read 'tp'"]),
     (["--mesh", "dp=0,tp=2"], ["dp=0 is not a valid size"]),
     (["--mesh", "dp=2,dp=2"], ["given twice"]),

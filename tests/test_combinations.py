@@ -2,14 +2,15 @@
 `launch/run.py --parity` launch (torchrun over gloo on the CPU, 4 ranks; 8 for an
 integer reshard on hsdp or on tp meshes and for hsdp x dp x tp; 16 for an integer
 reshard on hsdp x dp x tp) against the single-device reference: the debug model at 2
-blocks, 3 steps. Each row is held to the tolerances promised for its dtype
+blocks (4 with pipeline parallel), 3 steps. Each row is held to the tolerances promised for its dtype
 (tests/test_parity.py's docstring), whatever the command's own verdict."""
 
 from itertools import combinations
 
 import pytest
 
-from tests.combinations import FACTORS, LAYERS, MESHES, ROWS, STEPS, _pairs, all_pairs, allowed, mesh_of, overrides
+from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, STEPS, ZERO_BUBBLE, _pairs, all_pairs, allowed,
+                                layers_of, mesh_of, overrides)
 from tests.distributed import parity_report
 from tests.test_parity import assert_within_promised_tolerances
 
@@ -18,14 +19,19 @@ def test_every_pair_of_values_appears_in_some_row():
     covered = set().union(*(_pairs(row) for row in ROWS))
     assert set(all_pairs()) <= covered
     assert all(allowed(row) for row in ROWS)
-    assert (len(ROWS), len(all_pairs())) == (20, 561)  # docs/parallelism.md quotes both
+    assert (len(ROWS), len(all_pairs())) == (23, 691)  # docs/parallelism.md quotes both
 
 
-def test_only_sequence_and_loss_parallel_without_tp_are_left_out():
+def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
     possible = sum(len(FACTORS[a]) * len(FACTORS[b]) for a, b in combinations(FACTORS, 2))
     without_tp = [kind for kind in MESHES if "tp" not in kind]
-    # (dp or hsdp) x (sequence_parallel or loss_parallel = true): no valid row holds these.
-    assert possible - len(all_pairs()) == len(without_tp) * 2
+    schedules = [value for value in FACTORS["pipeline"] if value != "off"]
+    left_out = (len(without_tp) * 2  # (dp or hsdp) x (sequence_parallel or loss_parallel = true)
+                + len(schedules) * 2  # a schedule x (hsdp x dp x tp, or an integer reshard): 8 ranks or more
+                + len(ZERO_BUBBLE) * 3  # zero bubble x (reshard true, compile, op-level AC)
+                + 1)  # 1F1B x one micro-batch, fewer than its 2 stages
+    assert possible - len(all_pairs()) == left_out
+    assert set(PIPELINE_MESHES) == set(MESHES) - {"hsdp-dp-tp"}
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +47,12 @@ def test_combination_row_passes_parity(row_report, index):
     report, code = row_report(index)
     assert (code, report["verdict"]) == (0, "PASS"), [c for c in report["checks"] if not c["ok"]]
     assert_within_promised_tolerances(report, STEPS)
-    assert report["layers"] == LAYERS
+    layers = layers_of(ROWS[index])
+    assert report["layers"] == layers
     # 9 tensors per block (4 attention, 3 MLP, 2 norms) and 3 outside (embedding, norm, output)
-    assert len(report["gradient_digests"]) == LAYERS * 9 + 3
+    assert len(report["gradient_digests"]) == layers * 9 + 3
+    if ROWS[index]["pipeline"] != "off":
+        assert report["pipeline"]["schedule"] == ROWS[index]["pipeline"]
 
 
 def rows_where(**wanted) -> list[int]:

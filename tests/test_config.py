@@ -36,11 +36,26 @@ def test_yaml_text_that_is_a_number_where_one_is_expected():
     ("training.steps=0", "training.steps must be a whole number above 0, but got 0"),
     ("parallel.device=tpu", "accepted values: auto, cpu, cuda"),
     ("training.steps", "expected section.key=value"),
+    ("parallel.pp_schedule=Zero", "accepted values: GPipe, 1F1B, Interleaved1F1B"),
+    ("parallel.pp_stages_per_rank=0", "pp_stages_per_rank must be a whole number in [1, 2**63 - 1]"),
+    ("parallel.pp_split=2,,2", "blocks of each pipeline stage, comma-separated positive whole numbers"),
+    ("parallel.pp_split=2,0", "blocks of each pipeline stage"),
+    ("parallel.pp_split=-2", "blocks of each pipeline stage"),
+    ("dryrun.pp=", "the pipeline sizes --plan-for searches"),
+    ("dryrun.pp=1,x", "the pipeline sizes --plan-for searches"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(UserError) as err:
         load_config(DEFAULT_CONFIG, [override])
     assert fragment in str(err.value)
+
+
+def test_pipeline_keys_take_their_valid_values():
+    cfg = load_config(DEFAULT_CONFIG, ["parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_stages_per_rank=2",
+                                       "parallel.pp_split=1, 2,1", "dryrun.pp=1,2,4"])
+    assert (cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank) == ("ZBVZeroBubble", 2)
+    assert (cfg.parallel.pp_split, cfg.dryrun.pp) == ("1, 2,1", "1,2,4")
+    assert load_config(DEFAULT_CONFIG, ["parallel.pp_split=", "dryrun.pp=8"]).dryrun.pp == "8"
 
 
 def test_bad_yaml_keys_name_the_key(tmp_path):

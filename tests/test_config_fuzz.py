@@ -46,7 +46,7 @@ MESHES = st.one_of(
                      "dp=١", "dp=２", "DP=2", "dp = 2", "dp=-1,tp=-1", "dp=-2", "dp=99999999999999999999",
                      "hsdp=0", "tp=3", "dp=2,dp=2", "pp=2", "dp=2\x00", "dp=\u202e2"]),
     st.text(max_size=20),
-    st.builds(lambda name, size: f"{name}={size}", st.sampled_from(["dp", "tp", "hsdp", "cp"]),
+    st.builds(lambda name, size: f"{name}={size}", st.sampled_from(["dp", "tp", "hsdp", "cp", "pp"]),
               st.integers(min_value=-(2**70), max_value=2**70)),
 )
 

@@ -43,7 +43,7 @@ def test_minus_one_takes_the_rest(spec, rest):
     ("dp=4;tp=2", "cannot read"),
     ("dp=four", "cannot read"),
     ("dp=2.5", "cannot read"),
-    ("ep=2", "unknown dimension 'ep'. Known dimensions are hsdp, dp, cp, tp"),
+    ("ep=2", "unknown dimension 'ep'. Known dimensions are pp, hsdp, dp, cp, tp"),
     ("dp=2,dp=2", "given twice"),
     ("dp=0", "not a valid size"),
     ("tp=-2", "not a valid size"),

@@ -19,13 +19,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from engine.checkpoint import reader, store
 from engine.checkpoint.export import export_full, import_full
 from engine.checkpoint.reader import Unreadable, root_cause
 from engine.config import to_dict
 from engine.errors import UserError, raise_if_any_rank
+from parallel.pipeline import sync_tied_weights, whole_model
+
+
+# The optimizer's state and hyperparameters keyed by parameter name, one entry per
+# parameter: under pipeline parallel each stage's ranks hold only their own parameters, and
+# a per-group list of names would be one stage's list in the checkpoint. Keyed by name, any
+# pp loads it.
+OPTIMIZER_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _rng_state() -> tuple[bytes, bytes]:
@@ -78,7 +86,7 @@ class Checkpointer:
 
     def _state(self, step: int, rng_owner: int) -> dict:
         """What a checkpoint holds; loading fills the same structure in place."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=OPTIMIZER_BY_NAME)
         return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
                 "train": {"step": step}, "rng": {f"rank{rng_owner}": _rng_state()}}
 
@@ -100,7 +108,8 @@ class Checkpointer:
                 if not chosen.fallback:
                     raise
                 rest = store.Candidates(chosen.fallbacks, True, [*chosen.skipped, (str(chosen.folder), err.cause)])
-                self.resume_from = agreed(lambda: store.choose(rest, to_dict(self.cfg), store.state_dict_shapes(model),
+                shapes = store.state_dict_shapes(whole_model(model))
+                self.resume_from = agreed(lambda: store.choose(rest, to_dict(self.cfg), shapes,
                                                                self.cfg.training.steps), self.group)
         if chosen.skipped and self.rank == 0:
             kept = store.set_aside(self.root, chosen.skipped, chosen.folder)
@@ -120,7 +129,9 @@ class Checkpointer:
         step, problem = state["train"]["step"], None
         try:  # values of the right types can still be wrong (an RNG state of another size), and each
             # rank applies its own: the ranks agree on whether all of them could
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=OPTIMIZER_BY_NAME)
+            sync_tied_weights(model)
             scheduler.load_state_dict(state["scheduler"])
             _set_rng_state(state["rng"][f"rank{rng_owner}"])
             if step != meta["step"]:
@@ -156,7 +167,7 @@ class Checkpointer:
         return {"step": step, "mesh": str(self.dims.spec), "world_size": dist.get_world_size(),
                 "data_size": self.dims.data_size, "data_position": {"step": step},
                 "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "torch": torch.__version__, "state_dict": store.state_dict_shapes(self.model),
+                "torch": torch.__version__, "state_dict": store.state_dict_shapes(whole_model(self.model)),
                 "config": to_dict(self.cfg)}
 
     def save(self, step: int) -> None:

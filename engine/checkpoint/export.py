@@ -16,11 +16,23 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from engine.checkpoint.store import check_keys, state_dict_shapes
 from engine.errors import UserError
+from parallel.pipeline import sync_tied_weights, whole_model
+
+
+def full_state_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's full weights as CPU tensors on rank 0 ({} elsewhere), a collective.
+    Under pipeline parallel each stage gathers its own, and rank 0 collects them."""
+    pipeline = getattr(model, "pipeline", None)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=pipeline is None)  # offload keeps rank 0's only
+    state = get_model_state_dict(model, options=options)
+    if pipeline is None:
+        return state
+    return pipeline.gather_on_rank0({key: value.cpu() for key, value in state.items()})
 
 
 def export_full(model: torch.nn.Module, path: str | Path) -> None:
     """Gather the full weights (a collective) and write them on rank 0, atomically."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = full_state_on_rank0(model)
     if dist.get_rank() == 0:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,6 +52,10 @@ def import_full(model: torch.nn.Module, path: str | Path) -> None:
     if not isinstance(state, dict):
         raise UserError(f"checkpoint.init_from {str(path)!r} holds a {type(state).__name__}, not a "
                         f"state dict. Give a file written by checkpoint.export.")
-    check_keys({k: list(v.shape) for k, v in state.items()}, state_dict_shapes(model),
-               f"checkpoint.init_from {str(path)!r}", type(model).__name__)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    whole = whole_model(model)
+    check_keys({k: list(v.shape) for k, v in state.items()}, state_dict_shapes(whole),
+               f"checkpoint.init_from {str(path)!r}", type(whole).__name__)
+    mine = model.state_dict()  # under pipeline parallel, this rank's stages only
+    set_model_state_dict(model, {k: v for k, v in state.items() if k in mine},
+                         options=StateDictOptions(full_state_dict=True))
+    sync_tied_weights(model)

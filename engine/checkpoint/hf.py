@@ -30,6 +30,7 @@ from engine.checkpoint.store import check_keys, state_dict_shapes
 from engine.errors import UserError
 from models.llama import Llama
 from models.llama_hf import args_from_hf_config, hf_config_from_args, hf_name, our_name
+from parallel.pipeline import whole_model
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -207,11 +208,13 @@ def load_hf(model, folder: str | Path) -> None:
     safetensors = _safetensors()
     folder = Path(folder)
     state = _model_state(model)
+    args = whole_model(model).args
     targets = {hf_name(key): value for key, value in state.items()
-               if not (model.args.tie_embeddings and key == "output.weight")}
+               if not (args.tie_embeddings and key == "output.weight")}
     if any(isinstance(value, DTensor) for value in targets.values()):
         _load_distributed(targets, folder)
-        if model.args.tie_embeddings:
+        if args.tie_embeddings and "tok_embeddings.weight" in state:
+            # A pipeline stage without the embedding gets the first stage's (sync_tied_weights).
             state["output.weight"] = state["tok_embeddings.weight"]
         set_model_state_dict(model, state)
     else:
@@ -256,7 +259,7 @@ def save_hf(model, folder: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_
     config.json and model.safetensors, or shards and model.safetensors.index.json when the
     weights exceed `max_shard_bytes`. `carried_from` is an imported folder whose token ids
     the new config.json keeps."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from engine.checkpoint.export import full_state_on_rank0
 
     # Gathering FSDP+TP (_StridedShard) parameters logs a performance warning per parameter
     # on every rank; a gather is what this asks for.
@@ -264,11 +267,11 @@ def save_hf(model, folder: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_
     level = redistribute_log.level
     redistribute_log.setLevel(logging.ERROR)
     try:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = full_state_on_rank0(model)
     finally:
         redistribute_log.setLevel(level)
     if dist.get_rank() == 0:
-        args = model.args
+        args = whole_model(model).args
         tensors = {hf_name(key): value.contiguous() for key, value in state.items()
                    if not (args.tie_embeddings and key == "output.weight")}
         carried = read_hf_config(carried_from) if carried_from else None

@@ -15,6 +15,21 @@ collective bytes, and this turns them into seconds under stated assumptions:
   compute, so only what exceeds the compute time shows; tensor-parallel, context-parallel
   (the attention's key/value all-gathers wait for their result) and optimizer-phase
   collectives sit on the critical path and add in full.
+
+Under pipeline parallel a rank computes only its stages (their FLOPs per token: 6 per
+weight they multiply by, and their blocks' share of the attention term), and the step
+adds two things:
+- the schedule's bubble, as a fraction of the rank's compute with p pipeline ranks, v
+  stages per rank and m micro-batches, every stage equally long and a backward twice a
+  forward: GPipe and 1F1B (p-1)/m; Interleaved1F1B (p-1)/(v m); the zero-bubble
+  schedules (p-1)/(3 v m), their weight-gradient passes filling two thirds of the
+  interleaved bubble when the forward, input-gradient and weight-gradient passes take
+  equal time (the zero-bubble paper's ZB-H1; ZB-V can do better, which this does not
+  claim);
+- point-to-point messages between stages at link bandwidth, each direction on its own
+  (a rank's sends and receives overlap); they overlap with compute, except one
+  micro-batch's message across each stage boundary on the way in (forward) and on the
+  way out (backward), which the fill and drain of the pipeline wait for.
 """
 
 from __future__ import annotations
@@ -60,7 +75,7 @@ def device_profile(dry) -> Profile:
 
 def group_span(dim: str, spec) -> tuple[int, int]:
     """(ranks in the group, consecutive ranks its members spread over) for a mesh dimension.
-    The mesh is hsdp x dp x cp x tp with tp innermost, so a group's members are `stride` apart."""
+    The mesh is pp x hsdp x dp x cp x tp with tp innermost, so a group's members are `stride` apart."""
     cp_tp = spec.cp * spec.tp
     if dim == "tp":
         return spec.tp, spec.tp
@@ -70,10 +85,12 @@ def group_span(dim: str, spec) -> tuple[int, int]:
         return spec.dp, spec.dp * cp_tp
     if dim == "dp_cp":  # FSDP's shard group with cp
         return spec.shard_size, spec.shard_size * spec.tp
-    if dim == "hsdp":
-        return spec.hsdp, spec.world_size
+    if dim == "hsdp":  # within one pipeline stage's ranks
+        return spec.hsdp, spec.world_size // spec.pp
     if dim == "data":
-        return spec.hsdp * spec.shard_size, spec.world_size
+        return spec.hsdp * spec.shard_size, spec.world_size // spec.pp
+    if dim == "pp":  # outermost: neighbouring stages are a whole stage of ranks apart
+        return spec.pp, spec.world_size
     if dim.startswith("group of "):  # an integer-reshard group: k consecutive ranks of FSDP's shard group
         size = int(dim.split()[-1])
         return size, size * spec.tp
@@ -95,33 +112,85 @@ class StepEstimate:
     step_s: float
     tokens_per_s: float
     mfu: float
+    bubble_s: float = 0.0  # pipeline parallel: the schedule's idle time
+    bubble_fraction: float = 0.0  # of the rank's compute
+    exposed_p2p_s: float = 0.0  # point to point between stages that the step waits for
 
     def as_dict(self) -> dict:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
-                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "bubble_s": self.bubble_s, "bubble_fraction": self.bubble_fraction,
+                "exposed_p2p_s": self.exposed_p2p_s}
 
 
-def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profile) -> StepEstimate:
+def bubble_fraction(schedule: str, pp: int, per_rank: int, micro_batches: int) -> float:
+    """The schedule's idle time over a rank's compute time (this module's docstring)."""
+    if pp == 1:
+        return 0.0
+    if schedule in ("GPipe", "1F1B"):
+        return (pp - 1) / micro_batches
+    interleaved = (pp - 1) / (per_rank * micro_batches)
+    return interleaved if schedule == "Interleaved1F1B" else interleaved / 3
+
+
+def p2p_seconds(kinds: dict, bandwidth: float) -> tuple[float, float]:
+    """(all of a rank's point-to-point time, that of its largest single message)."""
+    sends, receives = kinds.get("send", {"count": 0, "bytes": 0}), kinds.get("recv", {"count": 0, "bytes": 0})
+    largest = max(sends["bytes"] / max(1, sends["count"]), receives["bytes"] / max(1, receives["count"]))
+    return max(sends["bytes"], receives["bytes"]) / bandwidth, largest / bandwidth
+
+
+def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profile,
+                  stage_flops: float | None = None) -> StepEstimate:
+    """`stage_flops`: under pipeline parallel, the FLOPs per token of the stages this rank holds."""
     t = cfg.training
     global_tokens = t.global_batch * t.seq_len
     recompute = 4 / 3 if cfg.parallel.activation_checkpoint in ("full", "selective") else 1.0
-    rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * flops_per_token / spec.tp
+    rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * (stage_flops or flops_per_token) / spec.tp
     compute = rank_flops * recompute / (profile.peak_flops * profile.compute_efficiency)
     comm_s: dict[str, float] = {}
-    hidden, exposed = 0.0, 0.0
+    hidden, exposed, exposed_p2p = 0.0, 0.0, 0.0
     for dim, phases in comm.items():
         ranks, span = group_span(dim, spec)
         bandwidth = profile.intra_node_bytes_s if span <= profile.gpus_per_node else profile.inter_node_bytes_s
+        if dim == "pp":  # neighbours a stage of ranks apart share a node only if a stage fits in less than one
+            bandwidth = (profile.intra_node_bytes_s if spec.world_size // spec.pp < profile.gpus_per_node
+                         else profile.inter_node_bytes_s)
         for phase, kinds in phases.items():
-            seconds = sum(collective_seconds(kind, v["bytes"], ranks, bandwidth) for kind, v in kinds.items())
+            seconds = sum(collective_seconds(kind, v["bytes"], ranks, bandwidth) for kind, v in kinds.items()
+                          if kind not in ("send", "recv"))
+            if "send" in kinds or "recv" in kinds:
+                p2p, message = p2p_seconds(kinds, bandwidth)
+                seconds += p2p
+                exposed_p2p += message * (spec.pp * cfg.parallel.pp_stages_per_rank - 1)  # fill or drain
+                hidden += p2p
             comm_s[dim] = comm_s.get(dim, 0.0) + seconds
+            if dim == "pp":
+                continue
             if phase != "optimizer" and (dim in OVERLAPPED or dim.startswith("group of ")):
                 hidden += seconds
             else:
                 exposed += seconds
     exposed += max(0.0, hidden - compute)
-    step = compute + exposed
-    world = spec.world_size
+    fraction = bubble_fraction(cfg.parallel.pp_schedule, spec.pp, cfg.parallel.pp_stages_per_rank, t.micro_batches)
+    bubble = fraction * compute
+    step = compute + exposed + bubble + exposed_p2p
     return StepEstimate(compute_s=compute, comm_s=comm_s, exposed_comm_s=exposed, step_s=step,
                         tokens_per_s=global_tokens / step,
-                        mfu=global_tokens * flops_per_token / step / (world * profile.peak_flops))
+                        mfu=global_tokens * flops_per_token / step / (spec.world_size * profile.peak_flops),
+                        bubble_s=bubble, bubble_fraction=fraction, exposed_p2p_s=exposed_p2p)
+
+
+def stage_flops_per_token(whole, stages, split: list[list[str]], held: list[int], seq_len: int) -> float:
+    """The training FLOPs per token of the pipeline stages `held` (a rank's), of the whole
+    model `whole` (on meta) split into `split` (block paths per stage) by the plan's
+    `stages`: 6 per weight they multiply by, and their blocks' share of what the whole
+    model's count adds beyond 6 per weight (the attention term)."""
+    from engine.metrics.throughput import flops_per_token, matmul_weights
+    paths = [path for stage in held for path in split[stage]]
+    paths += list(stages.first) if 0 in held else []
+    paths += list(stages.last) if len(split) - 1 in held else []
+    weights = sum(matmul_weights(whole.get_submodule(path)) for path in paths)
+    attention = flops_per_token(whole, seq_len) - 6 * matmul_weights(whole)
+    blocks = sum(len(split[stage]) for stage in held)
+    return 6 * weights + attention * blocks / sum(map(len, split))

@@ -12,6 +12,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from engine.dryrun import record, torch_internals
 from engine.train import build_optimizer, train_step
 from parallel.context import shapes_only
+from parallel.pipeline import parts_of
 
 # FSDPMemTracker's categories, folded into the report's.
 MEMORY_PARTS = {
@@ -52,7 +53,9 @@ def create_optimizer_state(model, optimizer) -> None:
 def _fold(snapshot: dict) -> tuple[int, dict[str, int]]:
     parts = dict.fromkeys(sorted(set(MEMORY_PARTS.values())), 0)
     total = 0
-    for per_device in snapshot.values():
+    for device, per_device in snapshot.items():
+        if device.type == "meta":  # no memory (torch_internals.memory_tracker)
+            continue
         for key, nbytes in per_device.items():
             name = getattr(key, "value", key)
             if name in MEMORY_PARTS:
@@ -73,14 +76,21 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     targets = torch.zeros(rows, length, dtype=torch.long, device=device)
     table = record.CommTable()
     grads = {}
-    tracker = torch_internals.memory_tracker(model, optimizer)
+    roots = parts_of(model)  # each pipeline stage's part is an FSDP root of its own
+    tracker = torch_internals.memory_tracker(roots, optimizer)
     tracker.track_inputs((inputs, targets))
-    # The tracker refuses a second root forward (a second micro-batch) until its per-module
-    # statistics are cleared; the step's peak, which the report reads, is kept apart from them.
-    # A global hook, because it must run before FSDP's own pre-forward hook on the root.
-    clear_module_stats = register_module_forward_pre_hook(
-        lambda module, _: tracker.reset_mod_stats() if module is model else None)
-    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, \
+    # The tracker refuses a second forward of a root (a second micro-batch) while it holds
+    # statistics of the root's first; the step's peak, which the report reads, is kept apart
+    # from them. Only the root's are dropped: a pipeline's micro-batches overlap, and the
+    # blocks' backward of an earlier one still reads theirs. A global hook, because it must
+    # run before FSDP's own pre-forward hook on the root.
+    def forget_root(module, _):
+        if any(module is root for root in roots):
+            tracker.memory_tracking.pop(module, None)
+
+    clear_module_stats = register_module_forward_pre_hook(forget_root)
+    warmup = torch_internals.pipeline_warmup_without_messages() if hasattr(model, "pipeline") else nullcontext()
+    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup, \
             (shapes_only() if fake else nullcontext()):
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),

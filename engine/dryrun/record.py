@@ -8,8 +8,10 @@ are counted by the same rules:
   full buffer it produces or consumes: an all-gather's output, a reduce-scatter's
   input, an all-reduce's tensor;
 - its mesh dimension is the one whose process group it ran on;
-- its phase is `forward`, `backward` (anything under Tensor.backward, including FSDP's
-  reduce-scatters) or `optimizer` (the loss mean, the gradient norm, the update);
+- its phase is `forward`, `backward` (anything under Tensor.backward or autograd's
+  backward and grad, including FSDP's reduce-scatters, and a pipeline stage's gradient
+  reduction after its last micro-batch) or `optimizer` (the loss mean, the gradient norm,
+  the update); point-to-point messages between pipeline stages are `pipeline`;
 - state bytes are the local shards' element counts times their element sizes.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager, nullcontext
+from unittest import mock
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,8 +40,14 @@ KINDS = {
     "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast", "broadcast": "broadcast",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    # Point to point, between pipeline stages.
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
 }
-PHASES = ("forward", "backward", "optimizer")
+# Point-to-point messages between pipeline stages go both ways all through the step
+# (activations forward, their gradients back, micro-batch by micro-batch): their phase is
+# "pipeline".
+PHASES = ("forward", "backward", "optimizer", "pipeline")
+POINT_TO_POINT = ("send", "recv")
 
 
 def collective_kind(func) -> str | None:
@@ -94,18 +103,28 @@ def named_groups(dims) -> dict[str, str]:
 
 
 class _Phase(TorchFunctionMode):
+    """`backward` inside Tensor.backward and inside autograd's own backward and grad, which
+    a pipeline schedule calls for each micro-batch (the forward and backward of different
+    micro-batches alternate); `forward` elsewhere until `optimizer()`."""
+
+    BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
     def __init__(self):
         super().__init__()
         self.phase = "forward"
+        self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.Tensor.backward:
+        if func not in self.BACKWARD:
             return func(*args, **(kwargs or {}))
+        self.depth += 1
         self.phase = "backward"
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            self.phase = "forward"
+            self.depth -= 1
+            if self.depth == 0:
+                self.phase = "forward"
 
     def optimizer(self) -> None:
         self.phase = "optimizer"
@@ -147,7 +166,8 @@ def _recorder_class():
                 return 1.0  # a fake tensor has no value: the dry run reads every scalar (loss, norm) as 1
             kind = collective_kind(func)
             if kind is not None:
-                self.table.add(self._dim(args, kwargs), self.phase.phase, kind, collective_bytes(kind, args))
+                phase = "pipeline" if kind in POINT_TO_POINT else self.phase.phase
+                self.table.add(self._dim(args, kwargs), phase, kind, collective_bytes(kind, args))
             return func(*args, **kwargs)
 
         def _dim(self, args, kwargs) -> str:
@@ -184,7 +204,9 @@ def _isolation_class():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if collective_kind(func) is None:
+            # Point-to-point messages pass as they are: a pipeline schedule posts a send and
+            # a receive together and waits for both, which waiting on each would deadlock.
+            if collective_kind(func) in (None, *POINT_TO_POINT):
                 return func(*args, **kwargs)
             originals = {}  # id(copy) -> (copy, original)
 
@@ -233,10 +255,27 @@ def isolated_collectives(fake: bool, device: torch.device):
 def recording(dims, table: CommTable, fake: bool):
     """Count the collectives run inside; yields the phase tracker (`.phase`, and
     `.optimizer()` to mark the optimizer phase)."""
+    from torch.distributed.pipelining import PipelineStage
+
     phase = _Phase()
+    reduce_grad = PipelineStage.perform_reduce_grad
+
+    def in_backward(stage, *args, **kwargs):
+        # A pipeline stage reduces its gradients (FSDP's reduce-scatters) after the last
+        # micro-batch's backward, outside autograd: still the backward's work.
+        phase.depth += 1
+        phase.phase = "backward"
+        try:
+            return reduce_grad(stage, *args, **kwargs)
+        finally:
+            phase.depth -= 1
+            if phase.depth == 0:
+                phase.phase = "forward"
+
     with ExitStack() as stack:
         stack.enter_context(phase)
         stack.enter_context(_recorder_class()(phase, mesh_groups(dims), table, fake, named_groups(dims)))
+        stack.enter_context(mock.patch.object(PipelineStage, "perform_reduce_grad", in_backward))
         yield phase
 
 

@@ -32,7 +32,23 @@ def as_dict(result, cfg) -> dict:
         "flops_per_token": result.flops_per_token,
         "step": e.as_dict(),
         "device": dict(vars(cfg.dryrun)),
+        "pipeline": pipeline_dict(result, cfg),
     }
+
+
+def pipeline_dict(result, cfg) -> dict | None:
+    """Each simulated stage role (pp > 1): its stages, blocks, memory, point-to-point
+    traffic and step estimate; None without pipeline parallel."""
+    if not result.stage_roles:
+        return None
+    p = cfg.parallel
+    return {"schedule": p.pp_schedule, "stages_per_rank": p.pp_stages_per_rank,
+            "micro_batches": cfg.training.micro_batches,
+            "roles": [{"pp_rank": role.pp_rank, "stages": role.stages, "blocks": role.blocks,
+                       "param_bytes": role.observed.param_bytes, "peak_bytes": role.observed.peak_bytes,
+                       "p2p": role.observed.comm.get("pp", {}).get("pipeline", {}),
+                       "flops_per_token": role.flops_per_token, "step": role.estimate.as_dict()}
+                      for role in result.stage_roles]}
 
 
 def write_json(result, cfg, path: str) -> None:
@@ -80,10 +96,13 @@ def render(result, cfg) -> str:
                      f"{_amount(role.optimizer_bytes, scale)} {_amount(role.peak_bytes, scale)}")
     parts = ", ".join(f"{name} {nbytes / scale:.3f}" for name, nbytes in result.observed.at_peak.items() if nbytes)
     lines.append(f"  at rank 0's peak: {parts}")
+    lines += _stage_roles(result, cfg, scale, unit)
     lines += ["", "communication per step on rank 0 (simulated; count x full buffer)",
               f"  {'dim':<12}{'phase':<11}" + "".join(f"{k:>22}" for k in KINDS)]
     for dim, phases in result.observed.comm.items():
         for phase, kinds in phases.items():
+            if phase == "pipeline":  # point to point: in the stage table above
+                continue
             cells = []
             for kind in KINDS:
                 v = kinds.get(kind)
@@ -93,10 +112,39 @@ def render(result, cfg) -> str:
               f"{profile.compute_efficiency:.0%}, {profile.intra_node_bytes_s / 1e9:.0f} GB/s in a node, "
               f"{profile.inter_node_bytes_s / 1e9:.0f} GB/s between nodes of {profile.gpus_per_node}; "
               f"FSDP traffic overlaps compute, TP, CP and optimizer traffic does not)",
-              "  comm per dim: " + ", ".join(f"{d} {_time(s)}" for d, s in e.comm_s.items()),
-              f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} = step {_time(e.step_s)}",
-              f"  {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"]
+              "  comm per dim: " + ", ".join(f"{d} {_time(s)}" for d, s in e.comm_s.items())]
+    if result.stage_roles:
+        lines.append(f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} + bubble "
+                     f"{_time(e.bubble_s)} ({e.bubble_fraction:.1%} of compute) + exposed point to point "
+                     f"{_time(e.exposed_p2p_s)} = step {_time(e.step_s)} (the slowest stage role's)")
+    else:
+        lines.append(f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} = step {_time(e.step_s)}")
+    lines.append(f"  {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}")
     return "\n".join(lines)
+
+
+def _p2p(kinds: dict, kind: str) -> str:
+    value = kinds.get(kind)
+    return f"{value['count']} x {_size(value['bytes'] / value['count'])}" if value else "-"
+
+
+def _stage_roles(result, cfg, scale: int, unit: str) -> list[str]:
+    """Under pipeline parallel, one line per simulated stage role."""
+    if not result.stage_roles:
+        return []
+    p, roles = cfg.parallel, result.stage_roles
+    lines = ["", f"pipeline: {p.pp_schedule}, {p.pp_stages_per_rank} stage(s) per rank, "
+                 f"{cfg.training.micro_batches} micro-batches; each distinct stage role simulated "
+                 f"(peak with the micro-batches in flight, {unit})",
+             f"  {'pp rank':<9}{'stages':<9}{'blocks':>7}{'peak':>10}{'sends':>20}{'receives':>20}{'step':>13}"]
+    for role in roles:
+        kinds = role.observed.comm.get("pp", {}).get("pipeline", {})
+        lines.append(f"  {role.pp_rank:<9}{','.join(map(str, role.stages)):<9}{role.blocks:>7}"
+                     f"{role.observed.peak_bytes / scale:>10.3f}{_p2p(kinds, 'send'):>20}{_p2p(kinds, 'recv'):>20}"
+                     f"{_time(role.estimate.step_s):>13}")
+    lines.append("  (a role's later pp ranks, listed with it in the memory table, hold the same state and no more "
+                 "micro-batches in flight: its peak bounds theirs)")
+    return lines
 
 
 def render_outcome(outcome) -> str:

@@ -24,7 +24,19 @@ What is searched, and why not more:
   the later ones recompute or re-gather more and are never faster in the step model;
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
-  offered.
+  offered;
+- pipeline parallel: pp in `dryrun.pp` (1, 2, 4, 8, 16 by default; 1 alone leaves it
+  out), outermost (each stage then takes tp and
+  FSDP as above over world / pp ranks), with 1F1B and Interleaved1F1B (2 stages per
+  rank) and as many micro-batches as each data rank has sequences (1F1B keeps at most pp
+  of them in flight whatever their number, and more of them shrink the bubble). GPipe
+  is left out (it keeps every micro-batch in flight for 1F1B's bubble), and so are the
+  zero-bubble schedules, which the dry run cannot simulate (simulate.refuse_split_backward).
+  Each distinct stage role is simulated at 2 and 3 blocks per stage, each with pp and
+  pp + 1 micro-batches, and extrapolated to its own blocks and the layout's micro-batches;
+  the layout's peak is the largest role's, its step the slowest role's. With pp, tp is
+  the largest the plan takes within a node (a model that needs pipeline stages needs
+  its activations split as far as a node allows), which keeps the search to minutes.
 """
 
 from __future__ import annotations
@@ -44,6 +56,9 @@ HEADROOM = 0.10  # of GPU memory, for what is not a tensor: allocator, NCCL, CUD
 CP_MIN_TOKENS = 8192  # the shortest slice of a sequence a cp rank is given in the search
 
 
+PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))  # (schedule, stages per rank)
+
+
 @dataclass
 class Layout:
     spec: MeshSpec
@@ -51,15 +66,19 @@ class Layout:
     activation_checkpoint: str
     micro_batches: int
     sequence_parallel: bool = True  # with tp > 1: off for a plan without a sequence-parallel variant
+    schedule: str = "1F1B"  # with pp > 1
+    stages_per_rank: int = 1
 
     def overrides(self) -> list[str]:
         tp = self.spec.tp > 1
         sp = tp and self.sequence_parallel
+        pipeline = ([f"parallel.pp_schedule={self.schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}"]
+                    if self.spec.pp > 1 else [])
         return [f"parallel.reshard_after_forward={self.reshard}",
                 f"parallel.activation_checkpoint={self.activation_checkpoint}",
                 f"training.micro_batches={self.micro_batches}", f"parallel.sequence_parallel={str(sp).lower()}",
                 f"parallel.loss_parallel={str(tp).lower()}", "parallel.param_dtype=bfloat16",
-                "parallel.reduce_dtype=float32"]
+                "parallel.reduce_dtype=float32", *pipeline]
 
     def command_line(self) -> str:
         return f"--mesh {self.spec} " + " ".join(f"--set {o}" for o in self.overrides())
@@ -71,6 +90,23 @@ class Outcome:
     peak_bytes: int
     estimate: StepEstimate | None  # None when it does not fit
     reason: str = ""
+
+
+def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, profile, usable: float) -> "Outcome":
+    """Simulate one layout; it fits or not (the largest peak of its stage roles), and the
+    step estimate of its slowest role when it does."""
+    layout_cfg = layout_config(cfg, layout)
+    spec = layout.spec
+    if spec.pp == 1:
+        roles = [(observe(layout_cfg, layout, world, depth), None)]
+    else:
+        roles = observe_stage_roles(layout_cfg, layout, world, depth)
+    peak = max(observed.peak_bytes for observed, _ in roles)
+    if peak > usable:
+        return Outcome(layout, peak, None, f"peak {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
+    estimates = [estimate_step(observed.comm, fpt, layout_cfg, spec, profile, stage_flops=stage_fpt)
+                 for observed, stage_fpt in roles]
+    return Outcome(layout, peak, max(estimates, key=lambda e: e.step_s))
 
 
 def offers_sequence_parallel(cfg) -> bool:
@@ -110,25 +146,47 @@ def context_degrees(cfg, ranks: int) -> list[int]:
     return degrees
 
 
-def meshes(cfg, world: int) -> list[MeshSpec]:
+def meshes(cfg, world: int, depth: int | None = None) -> list[MeshSpec]:
+    """With `depth` (the model's blocks), pipeline sizes too: up to one block per stage."""
     gpus_per_node = cfg.dryrun.gpus_per_node
+    pipeline = pipeline_sizes(cfg) if depth is not None and plan_has_stages(cfg) else (1,)
     found = []
-    for tp in (1, 2, 4, 8):
-        if tp > gpus_per_node or world % tp or not plan_takes_tp(cfg, tp):
+    for pp in pipeline:
+        if world % pp or (depth is not None and pp > depth):
             continue
-        for cp in context_degrees(cfg, world // tp):
-            rest = world // (tp * cp)
-            found.append(MeshSpec(dp=rest, tp=tp, cp=cp))
-            # HSDP: FSDP's shard group (dp x cp) within a node, replicated across nodes.
-            in_node = gpus_per_node // tp
-            dp_in_node = in_node // cp
-            if in_node % cp == 0 and (dp_in_node > 1 or cp > 1) and dp_in_node < rest and rest % dp_in_node == 0:
-                found.append(MeshSpec(hsdp=rest // dp_in_node, dp=dp_in_node, tp=tp, cp=cp))
+        stage = world // pp
+        takes = [tp for tp in (1, 2, 4, 8) if tp <= gpus_per_node and stage % tp == 0 and plan_takes_tp(cfg, tp)]
+        for tp in takes if pp == 1 else takes[-1:]:
+            for cp in context_degrees(cfg, stage // tp):
+                rest = stage // (tp * cp)
+                found.append(MeshSpec(dp=rest, tp=tp, cp=cp, pp=pp))
+                # HSDP: FSDP's shard group (dp x cp) within a node, replicated across nodes.
+                in_node = gpus_per_node // tp
+                dp_in_node = in_node // cp
+                if in_node % cp == 0 and (dp_in_node > 1 or cp > 1) and dp_in_node < rest and rest % dp_in_node == 0:
+                    found.append(MeshSpec(hsdp=rest // dp_in_node, dp=dp_in_node, tp=tp, cp=cp, pp=pp))
     return found
 
 
+def pipeline_sizes(cfg) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(size) for size in cfg.dryrun.pp.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"dryrun.pp={cfg.dryrun.pp!r}: give the pipeline sizes to search, comma-separated "
+                        f"positive integers, e.g. 1,2,4,8,16 (1 alone: no pipeline parallel).")
+    return sizes
+
+
+def plan_has_stages(cfg) -> bool:
+    from parallel.plan import get_plan
+    return get_plan(cfg.parallel.plan).stages is not None
+
+
 def search_mesh(cfg, world: int) -> MeshSpec:
-    """The searched mesh with the fewest data ranks, for the launcher's up-front checks."""
+    """The searched mesh with the fewest data ranks, for the launcher's up-front checks
+    (without pipeline parallel, whose checks each layout's simulation makes)."""
     return min(meshes(cfg, world), key=lambda spec: spec.hsdp * spec.dp)
 
 
@@ -185,11 +243,64 @@ def observe(cfg, layout: Layout, world: int, depth: int) -> Observation:
     return extrapolate(one, two, first, period, depth)
 
 
-def runnable(cfg, layout: Layout) -> bool:
+def runnable(cfg, layout: Layout, depth: int) -> bool:
+    from parallel.pipeline import micro_batches_needed
     t, spec = cfg.training, layout.spec
     data = spec.hsdp * spec.dp
     sequence_split = spec.tp if layout.sequence_parallel else 1  # of each cp rank's tokens
-    return t.global_batch % (data * layout.micro_batches) == 0 and (t.seq_len // spec.cp) % sequence_split == 0
+    fits_batch = (t.global_batch % (data * layout.micro_batches) == 0
+                  and (t.seq_len // spec.cp) % sequence_split == 0)
+    if spec.pp == 1:
+        return fits_batch
+    return (fits_batch and spec.pp * layout.stages_per_rank <= depth
+            and not micro_batches_needed(layout.schedule, spec.pp, layout.stages_per_rank, layout.micro_batches))
+
+
+def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tuple[Observation, float]]:
+    """Under pipeline parallel: (the observation, the FLOPs per token) of each distinct
+    stage role at `depth` blocks, each simulated with 2 and 3 blocks per stage and
+    extrapolated to the blocks it holds in the real split."""
+    from engine.dryrun.estimate import stage_flops_per_token
+    from engine.dryrun.simulate import observe_rank_zero, pipeline_ranks
+    from models import build_on_meta
+    from parallel.pipeline import blocks_per_stage, stages_of_rank, stage_blocks
+    from parallel.plan import get_plan
+
+    spec, per_rank = layout.spec, layout.stages_per_rank
+    n_stages, per_stage = spec.pp * per_rank, world // spec.pp
+    # Micro-batches too are simulated at two counts, pp and pp + 1, and extrapolated: what
+    # a step sends and gathers grows by the same amount with each micro-batch, while the
+    # peak stops growing once the schedule's micro-batches in flight are all there (pp of
+    # them on 1F1B's first stage; if it still grows, the line overestimates it).
+    micro, few = layout.micro_batches, spec.pp
+    data = spec.hsdp * spec.dp
+    micro_rows = cfg.training.global_batch // data // micro
+    split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split)
+    plan, whole = get_plan(cfg.parallel.plan), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
+    paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
+    roles = []
+    for pp_rank in pipeline_ranks(cfg, spec, depth):
+        held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
+        blocks = sum(split[stage] for stage in held)
+
+        def at(per_stage_blocks: int, micro_batches: int) -> Observation:
+            # As many micro-batches of the layout's own size: the global batch shrinks with them.
+            uniform = with_overrides(cfg, [f"parallel.pp_split={','.join([str(per_stage_blocks)] * n_stages)}",
+                                           f"training.micro_batches={micro_batches}",
+                                           f"training.global_batch={micro_batches * micro_rows * data}"])
+            return observe_rank_zero(uniform, spec, world, per_stage_blocks * n_stages, pp_rank * per_stage)
+
+        def with_micro_batches(per_stage_blocks: int) -> Observation:
+            if micro <= few + 1:
+                return at(per_stage_blocks, micro)
+            return extrapolate(at(per_stage_blocks, few), at(per_stage_blocks, few + 1), few, 1, micro)
+
+        if depth <= 3 * n_stages:
+            observed = observe_rank_zero(cfg, spec, world, depth, pp_rank * per_stage)
+        else:
+            observed = extrapolate(with_micro_batches(2), with_micro_batches(3), 2 * per_rank, per_rank, blocks)
+        roles.append((observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)))
+    return roles
 
 
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
@@ -201,23 +312,22 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
     usable = dry.gpu_memory_gib * GIB * (1 - HEADROOM)
     outcomes = []
     sequence_parallel = offers_sequence_parallel(cfg)
-    for spec in meshes(cfg, world):
+    for spec in meshes(cfg, world, depth):
+        rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
+        # Without pp: micro-batches 1, 2, 4, 8 until one fits. With pp: a schedule each, and
+        # every sequence its own micro-batch (module docstring).
+        options = ([(micro, "1F1B", 1) for micro in MICRO_BATCHES] if spec.pp == 1 else
+                   [(max(1, rows), schedule, per_rank) for schedule, per_rank in PIPELINE_SCHEDULES])
         for reshard in reshard_options(spec, dry.gpus_per_node):
-            found = False
+            found = set()  # without pp one fit ends the ladder; with pp, one per schedule
             for ac in AC_MODES:
-                for micro in MICRO_BATCHES:
-                    layout = Layout(spec, reshard, ac, micro, sequence_parallel)
-                    if found or not runnable(cfg, layout):
+                for micro, schedule, per_rank in options:
+                    layout = Layout(spec, reshard, ac, micro, sequence_parallel, schedule, per_rank)
+                    if (spec.pp == 1 and found) or schedule in found or not runnable(cfg, layout, depth):
                         continue
-                    layout_cfg = layout_config(cfg, layout)
-                    observed = observe(layout_cfg, layout, world, depth)
-                    if observed.peak_bytes > usable:
-                        outcome = Outcome(layout, observed.peak_bytes, None,
-                                          f"peak {observed.peak_bytes / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
-                    else:
-                        found = True
-                        outcome = Outcome(layout, observed.peak_bytes,
-                                          estimate_step(observed.comm, fpt, layout_cfg, spec, profile))
+                    outcome = evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
+                    if outcome.estimate is not None:
+                        found.add(schedule)
                     report(outcome)
                     outcomes.append(outcome)
     fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))

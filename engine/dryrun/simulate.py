@@ -10,6 +10,9 @@ inductor's fusions would lower activation memory and time) and the step time
 and last coordinates of dp and tp, which hold different shard sizes when a dimension
 does not divide evenly) get their own parameters and optimizer state, and rank 0's
 gradients, gathered parameters and activations, which depend only on padded shapes.
+Under pipeline parallel the stages differ in what they hold and in the micro-batches
+in flight, so the full step is simulated for the first rank of each distinct stage role
+(the first stage, the last, and each middle one with another number of blocks).
 
 One process simulates one layout: torch caches DTensor sharding decisions by mesh,
 and a second fake world in the same process reuses the first one's process-group
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.dryrun import torch_internals
+from engine.errors import UserError
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
 from engine.dryrun.observe import Observation, create_optimizer_state, observe_step
 from engine.dryrun.record import optimizer_bytes, param_bytes
@@ -34,11 +38,22 @@ from engine.dryrun.record import optimizer_bytes, param_bytes
 
 @dataclass
 class Role:
-    ranks: list[int]  # the corner ranks that share this role
+    ranks: list[int]  # the corner ranks that share this role (the first was simulated; see pipeline_ranks)
     param_bytes: int
     optimizer_bytes: int
     grad_bytes: int
     peak_bytes: int
+
+
+@dataclass
+class StageRole:
+    """One pipeline rank's simulated step, for each distinct role (pipeline_ranks)."""
+    pp_rank: int
+    stages: list[int]
+    blocks: int
+    observed: Observation
+    flops_per_token: float  # of the stages this rank holds
+    estimate: StepEstimate
 
 
 @dataclass
@@ -47,10 +62,11 @@ class DryRunResult:
     mesh: str
     observed: Observation  # rank 0
     roles: list[Role]
-    estimate: StepEstimate
+    estimate: StepEstimate  # with pp: the slowest stage role's, which paces the pipeline
     flops_per_token: float
     seconds: float
     notes: list[str] = field(default_factory=list)
+    stage_roles: list[StageRole] = field(default_factory=list)  # with pp > 1
 
 
 def corner_ranks(spec) -> list[int]:
@@ -90,6 +106,27 @@ def enter_fake_world(world_size: int, rank: int) -> None:
     torch_internals.start_fake_world(world_size, rank)
 
 
+def pipeline_ranks(cfg, spec, n_layers: int = 0) -> dict[int, list[int]]:
+    """The pp ranks to simulate -> the pp ranks each stands for: the first of each distinct
+    role, a role being the block counts of the stages a rank holds and whether they include
+    the first or the last. The ranks after it in a role hold the same state and no more
+    micro-batches in flight (fewer, under 1F1B), so its peak bounds theirs."""
+    from models import build_on_meta
+    from parallel.pipeline import blocks_per_stage, stages_of_rank
+    from parallel.plan import expand, get_plan
+
+    if spec.pp == 1:
+        return {0: [0]}
+    plan, options = get_plan(cfg.parallel.plan), cfg.parallel
+    blocks = len(expand(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), plan.blocks, plan.name))
+    counts = blocks_per_stage(blocks, spec.pp, options.pp_stages_per_rank, options.pp_split)
+    roles: dict[tuple, list[int]] = {}
+    for rank in range(spec.pp):
+        stages = stages_of_rank(rank, spec.pp, options.pp_stages_per_rank, options.pp_schedule)
+        roles.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in stages), []).append(rank)
+    return {ranks[0]: ranks for ranks in roles.values()}
+
+
 def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
     """This rank's model after the plan, on meta, and its mesh (`n_layers` > 0: that depth)."""
     from models import build_on_meta
@@ -100,8 +137,30 @@ def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
     enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
-    apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, cfg.prefetch)
-    return model, dims
+    return apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, cfg.prefetch).model, dims
+
+
+def to_fake(model) -> None:
+    """Fake storage for the meta parameters (in the fake tensor mode), each stage's part apart."""
+    from parallel.pipeline import parts_of
+    for part in parts_of(model):
+        part.to_empty(device="cpu")
+        if hasattr(part, "tie_weights"):
+            part.tie_weights()
+
+
+def refuse_split_backward(cfg, spec) -> None:
+    """A zero-bubble schedule computes input gradients with autograd.grad, which the memory
+    tracker's hooks on a stage's inputs do not support ("A leaf node was passed to
+    _will_engine_execute_node but we are currently running autograd.grad()")."""
+    from parallel.pipeline import ZERO_BUBBLE
+    schedule = cfg.parallel.pp_schedule
+    if spec.pp > 1 and schedule in ZERO_BUBBLE:
+        raise UserError(f"--dry-run cannot simulate parallel.pp_schedule={schedule}: it splits each backward into "
+                        f"input and weight passes, and torch's memory tracker fails inside the first (autograd.grad "
+                        f"over a stage's received input). Simulate Interleaved1F1B with the same stages for its "
+                        f"memory and messages (a zero-bubble schedule holds more while weight passes wait), or "
+                        f"train it and read the memory in metrics.jsonl.")
 
 
 def eager(cfg):
@@ -116,13 +175,11 @@ def eager(cfg):
     return cfg, notes
 
 
-def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0) -> Observation:
-    """Rank 0's simulated step, at the model's depth or at `n_layers` blocks."""
-    model, dims = _rank_model(cfg, spec, world_size, 0, n_layers)
+def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0, rank: int = 0) -> Observation:
+    """Rank 0's (or `rank`'s) simulated step, at the model's depth or at `n_layers` blocks."""
+    model, dims = _rank_model(cfg, spec, world_size, rank, n_layers)
     with torch_internals.fake_tensor_mode():
-        model.to_empty(device="cpu")
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()
+        to_fake(model)
         return observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
 
 
@@ -130,39 +187,61 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
     """One step of `spec` on `world_size` ranks; `n_layers` > 0 builds that many blocks."""
     from engine.metrics.throughput import flops_per_token
     from engine.train import build_optimizer
+    from models import build_on_meta
 
     torch_internals.check_supported()
+    refuse_split_backward(cfg, spec)
     started = time.perf_counter()
     cfg, notes = eager(cfg)
     profile = device_profile(cfg.dryrun)
-    roles: dict[tuple[int, int], Role] = {}
-    observed = None
+    fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), cfg.training.seq_len)
+    roles: dict[tuple[int, int, int], Role] = {}
+    stage_roles = []
     fake_mode = torch_internals.fake_tensor_mode()
-    corners = corner_ranks(spec)
-    for rank in corners:
-        model, dims = _rank_model(cfg, spec, world_size, rank, n_layers)
-        with fake_mode:
-            model.to_empty(device="cpu")
-            if hasattr(model, "tie_weights"):
-                model.tie_weights()
-            if observed is None:
-                observed = observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
-                fpt = flops_per_token(model, cfg.training.seq_len)
-                params, optim = observed.param_bytes, observed.optimizer_bytes
+    per_stage = world_size // spec.pp
+    for pp_rank, alike in pipeline_ranks(cfg, spec, n_layers).items():
+        corners = [pp_rank * per_stage + rank for rank in corner_ranks(spec)]
+        observed = None
+        for rank in corners:
+            model, dims = _rank_model(cfg, spec, world_size, rank, n_layers)
+            with fake_mode:
+                to_fake(model)
+                if observed is None:
+                    observed = observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
+                    params, optim = observed.param_bytes, observed.optimizer_bytes
+                    stage_roles.append(stage_role(model, pp_rank, observed, fpt, cfg, spec, profile))
+                else:
+                    optimizer, _ = build_optimizer(model, cfg.optim, cfg.training.steps)
+                    create_optimizer_state(model, optimizer)
+                    params, optim = param_bytes(model), optimizer_bytes(optimizer)
+            key = (pp_rank, params, optim)
+            same = [other * per_stage + rank - pp_rank * per_stage for other in alike]  # in the alike pp ranks
+            if key in roles:
+                roles[key].ranks += same
             else:
-                optimizer, _ = build_optimizer(model, cfg.optim, cfg.training.steps)
-                create_optimizer_state(model, optimizer)
-                params, optim = param_bytes(model), optimizer_bytes(optimizer)
-        key = (params, optim)
-        if key in roles:
-            roles[key].ranks.append(rank)
-        else:
-            extra = params + optim - observed.param_bytes - observed.optimizer_bytes
-            roles[key] = Role([rank], params, optim, observed.grad_bytes, observed.peak_bytes + extra)
-        if rank == 0 and shards_evenly(model):  # then every corner holds what rank 0 holds
-            roles[key].ranks = corners
-            break
+                extra = params + optim - observed.param_bytes - observed.optimizer_bytes
+                roles[key] = Role(same, params, optim, observed.grad_bytes, observed.peak_bytes + extra)
+            if rank == corners[0] and shards_evenly(model):  # then every corner holds what this rank holds
+                roles[key].ranks = sorted(other * per_stage + corner - pp_rank * per_stage
+                                          for other in alike for corner in corners)
+                break
     dist.destroy_process_group()
-    estimate = estimate_step(observed.comm, fpt, cfg, spec, profile)
-    return DryRunResult(world_size, str(spec), observed, list(roles.values()), estimate, fpt,
-                        time.perf_counter() - started, notes)
+    slowest = max(stage_roles, key=lambda role: role.estimate.step_s)
+    return DryRunResult(world_size, str(spec), stage_roles[0].observed, list(roles.values()), slowest.estimate, fpt,
+                        time.perf_counter() - started, notes, stage_roles if spec.pp > 1 else [])
+
+
+def stage_role(model, pp_rank: int, observed: Observation, whole_fpt: float, cfg, spec, profile) -> StageRole:
+    """A simulated rank's step time: without pp the whole model's FLOPs; with pp those of
+    the stages the rank holds, plus the schedule's bubble and its point-to-point traffic."""
+    from engine.dryrun.estimate import stage_flops_per_token
+    from parallel.pipeline import whole_model
+
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is None:
+        return StageRole(0, [0], 0, observed, whole_fpt, estimate_step(observed.comm, whole_fpt, cfg, spec, profile))
+    fpt = stage_flops_per_token(whole_model(model), pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices,
+                                cfg.training.seq_len)
+    blocks = sum(len(pipeline.stage_blocks[s]) for s in pipeline.stage_indices)
+    return StageRole(pp_rank, list(pipeline.stage_indices), blocks, observed, fpt,
+                     estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt))

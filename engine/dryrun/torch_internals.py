@@ -4,7 +4,8 @@ The dry run follows the real code path under three pieces of torch that have no
 public home: the fake process group (collectives that return at once, for any world
 size), fake tensors (shapes and dtypes without storage), and the FSDP memory tracker
 of torch.distributed._tools, with DTensor's sharding propagator so that the tracker
-counts only the step's own tensors. A real run measured against it (gloo, on the
+counts only the step's own tensors; and a pipeline schedule's first-step warm-up, which
+an observed step leaves out (pipeline_warmup_without_messages). A real run measured against it (gloo, on the
 CPU) also needs c10d's Work. `check_supported()` imports what each needs, so a torch
 that moved one fails before anything runs, with the name of what is missing.
 """
@@ -25,8 +26,12 @@ NEEDED = (
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
 )
 NEEDED_ATTRIBUTES = (("torch._C._distributed_c10d", "ProcessGroup", "unbox"),
+                     ("torch._C", "_clear_DTensor_sharding_propagator_cache", "__call__"),
                      ("torch.distributed.tensor._sharding_prop", "ShardingPropagator",
                       "_propagate_tensor_meta_non_cached"))
+# A pipeline schedule's warm-up (pipeline_warmup_without_messages): one of these, by version.
+PIPELINE_WARMUP = (("torch.distributed.pipelining.schedules", "_PipelineSchedule", "_warmup_p2p"),
+                   ("torch.distributed.pipelining.stage", "_PipelineStageBase", "_get_init_p2p_neighbors_ops"))
 # Only for a real run observed by the same code (record.isolated_collectives).
 MEASURING = (("torch._C._distributed_c10d", "Work"), ("torch._C._distributed_c10d", "_create_work_from_future"))
 MEASURING_ATTRIBUTES = (("torch._C._distributed_c10d", "Work", "unbox"),)
@@ -50,13 +55,24 @@ def check_supported(measuring: bool = False) -> None:
     for module, name, attribute in NEEDED_ATTRIBUTES + (MEASURING_ATTRIBUTES if measuring else ()):
         if not hasattr(_load(module, name), attribute):
             raise UserError(f"--dry-run needs {name}.{attribute}, which torch {torch.__version__} lacks.")
+    if not any(hasattr(_load(module, name), attribute) for module, name, attribute in PIPELINE_WARMUP):
+        raise UserError(f"--dry-run needs one of {', '.join(f'{n}.{a}' for _, n, a in PIPELINE_WARMUP)} to observe a "
+                        f"pipeline step, and torch {torch.__version__} has neither.")
 
 
 def start_fake_world(world_size: int, rank: int) -> None:
     """A default process group of `world_size` ranks in which this process is `rank` and
-    every collective completes at once without moving data."""
+    every collective completes at once without moving data. DTensor's cached sharding
+    decisions are dropped first: they hold the meshes of the world before, which compare
+    equal to this one's and name its destroyed groups (a second simulated rank of the same
+    layout, as under pipeline parallel, then failed with "Could not resolve the process
+    group")."""
+    import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     _load("torch.testing._internal.distributed.fake_pg", "FakeStore")
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
@@ -70,11 +86,12 @@ def dispatch_mode_base():
 
 
 # The tracker's own bookkeeping that `memory_tracker` relies on (see its docstring).
-TRACKER_FIELDS = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+TRACKER_FIELDS = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_root_mod")
 
 
-def memory_tracker(model, optimizer):
-    """FSDPMemTracker, keeping only the step's peak and the peak of each phase (forward,
+def memory_tracker(roots: list, optimizer):
+    """FSDPMemTracker over the FSDP `roots` (the model, or each pipeline stage's part), keeping
+    only the step's peak and the peak of each phase (forward,
     backward, optimizer). The stock tracker also updates a peak for every module on
     every op, by walking all modules tracked so far: at 405B (126 blocks) that walk is
     half of the dry run's time, and the report reads only these. The fields it keeps are checked, so a torch that renames them fails
@@ -103,17 +120,25 @@ def memory_tracker(model, optimizer):
                 self.stop_counting()
 
         def _update_peak_stats(self, peak_state) -> None:
+            # A meta tensor holds no memory (the whole model on meta, which a pipeline reads
+            # its stages' shapes from, would otherwise count as one that is).
+            devices = {device: snapshot for device, snapshot in self._curr_mem_snap.items() if device.type != "meta"}
             phase = self.phase_of() if self.phase_of else "forward"
-            total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
+            total = sum(snapshot["Total"] for snapshot in devices.values())
             self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), total)
-            for device, snapshot in self._curr_mem_snap.items():
+            for device, snapshot in devices.items():
                 if self._peak_mem.get(device, 0) < snapshot["Total"]:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = deepcopy(snapshot)
 
-    tracker = StepPeakTracker(model, optimizer)
+    tracker = StepPeakTracker(roots[0], optimizer)
     tracker.phase_peaks = {}
     missing = [name for name in (*TRACKER_FIELDS, "_update_peak_stats") if not hasattr(tracker, name)]
+    if len(roots) > 1 and "_root_mod" not in missing:
+        # Several FSDP roots (the pipeline stages a rank holds): the tracker instruments what
+        # its root module's modules() yields, so its root becomes a list of all of them.
+        from torch import nn
+        tracker._root_mod = nn.ModuleList(roots)
     if missing or not hasattr(base, "_update_peak_stats"):
         import torch
         raise UserError(f"--dry-run needs FSDPMemTracker's {', '.join(missing) or '_update_peak_stats'}, "
@@ -141,6 +166,42 @@ def _count_shape_propagation(tracker):
 
     propagator._propagate_tensor_meta_non_cached = counted
     return lambda: setattr(propagator, "_propagate_tensor_meta_non_cached", propagate)
+
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+
+
+def pipeline_warmup_without_messages():
+    """A context in which a pipeline schedule's first step sends no warm-up messages, for
+    an observed step (real or simulated) to count what every later step does. From torch
+    2.13 a schedule's first step runs a vote over point-to-point messages that decides
+    between static and inferred stage shapes; the engine gives every stage its shapes,
+    so the vote always says static, and here each stage is told so directly (torch 2.14
+    does the same by itself in a fake process group, whose messages carry nothing; 2.13
+    fails there). Before 2.13 the first step exchanges a dummy message with each
+    neighbour, which gloo and the fake backend do not need; here it is left out."""
+    from contextlib import contextmanager
+    from unittest import mock
+
+    schedule_class = _load(_SCHEDULES, "_PipelineSchedule")
+
+    @contextmanager
+    def patched():
+        if hasattr(schedule_class, "_warmup_p2p"):
+            static = _load("torch.distributed.pipelining._utils", "InferenceMode").STATIC
+
+            def decide_locally(self, stages, has_backward, p2p_done):
+                for stage in stages:
+                    stage._inference_mode = static
+
+            with mock.patch.object(schedule_class, "_warmup_p2p", decide_locally):
+                yield
+        else:
+            stage_class = _load("torch.distributed.pipelining.stage", "_PipelineStageBase")
+            with mock.patch.object(stage_class, "_get_init_p2p_neighbors_ops", lambda self: []):
+                yield
+
+    return patched()
 
 
 def unbox_work(boxed):

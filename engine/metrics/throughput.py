@@ -47,10 +47,14 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     own = getattr(model, "flops_per_token", None)
     if callable(own):
         return float(own(seq_len))
-    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_weights
-    matmul_weights = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
     args = getattr(model, "args", None)
     n_layers, dim = getattr(args, "n_layers", None), getattr(args, "dim", None)
     attention = 12 * n_layers * dim * seq_len if isinstance(n_layers, int) and isinstance(dim, int) else 0
-    return float(6 * matmul_weights + attention)
+    return float(6 * matmul_weights(model) + attention)
+
+
+def matmul_weights(model: nn.Module) -> int:
+    """The parameters `model` multiplies by: all but those only looked up (embeddings)."""
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_weights
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)

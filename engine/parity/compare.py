@@ -101,14 +101,13 @@ def replicated_over_tp(tensor: torch.Tensor) -> bool:
     return "tp" not in names or isinstance(tensor.placements[names.index("tp")], Replicate)
 
 
-def replication_mismatches(named: list[tuple[str, torch.Tensor]], tp_group, device) -> dict[str, float]:
-    """Tensors that should be identical across the tp ranks but are not, with the largest
-    difference seen. Collective over the whole world; every rank gets the same answer."""
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return {}
+def replication_mismatches(named: list[tuple[str, torch.Tensor]], tp_group, device) -> tuple[int, dict[str, float]]:
+    """(how many tensors were checked, those that should be identical across the tp ranks
+    but are not, with the largest difference seen). Collective over the whole world; every
+    rank gets the same answer, also when pipeline stages hold different tensors."""
     checked = [(name, t) for name, t in named if t is not None and replicated_over_tp(t)]
-    diffs = torch.zeros(len(checked), dtype=torch.float64, device=device)
-    for index, (name, tensor) in enumerate(checked):
+    differing: dict[str, float] = {}
+    for name, tensor in checked if tp_group is not None and dist.get_world_size(tp_group) > 1 else ():
         local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().contiguous().to(device)
         copies = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
         dist.all_gather(copies, local, group=tp_group)
@@ -117,13 +116,15 @@ def replication_mismatches(named: list[tuple[str, torch.Tensor]], tp_group, devi
             if not torch.equal(other.view(torch.uint8), mine):
                 # Any byte difference counts (-0.0 against 0.0 too): report at least a tiny size.
                 size = (other.double() - local.double()).abs().max().item()
-                diffs[index] = max(diffs[index].item(), size if size > 0 else torch.finfo(torch.float64).tiny)
-    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    return {name: diffs[i].item() for i, (name, _) in enumerate(checked) if diffs[i] > 0}
-
-
-def count_replicated(named: list[tuple[str, torch.Tensor]]) -> int:
-    return sum(1 for _, t in named if t is not None and replicated_over_tp(t))
+                differing[name] = max(differing.get(name, 0.0), size if size > 0 else torch.finfo(torch.float64).tiny)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ([name for name, _ in checked], differing))
+    names = {name for seen, _ in everyone for name in seen}
+    merged: dict[str, float] = {}
+    for _, found in everyone:
+        for name, size in found.items():
+            merged[name] = max(merged.get(name, 0.0), size)
+    return len(names), merged
 
 
 def relative_diff(ours: float, theirs: float) -> float:

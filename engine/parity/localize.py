@@ -33,7 +33,9 @@ KINDS = ("output", "input gradient")
 class RankPiece:
     """Which part of the global activations this rank holds: its rows of the global batch
     (data rank), with context parallel its two chunks of the sequence (cp rank), and, for
-    tensor-parallel modules, its slice of one other dimension."""
+    tensor-parallel modules, its slice of one other dimension. With `micro_batches` > 1
+    (a pipeline schedule) the first call of a module sees the first micro-batch of the
+    rank's rows."""
 
     data_rank: int = 0
     data_size: int = 1
@@ -41,6 +43,7 @@ class RankPiece:
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    micro_batches: int = 1
 
 
 class Recorder:
@@ -97,8 +100,9 @@ class Recorder:
 
 
 def batch_rows(reference: torch.Tensor, local_rows: int, where: RankPiece) -> torch.Tensor:
-    if (where.data_size > 1 and reference.dim() and reference.shape[0] == local_rows * where.data_size):
-        return reference.chunk(where.data_size, 0)[where.data_rank]
+    pieces = where.data_size * where.micro_batches
+    if pieces > 1 and reference.dim() and reference.shape[0] == local_rows * pieces:
+        return reference.chunk(pieces, 0)[where.data_rank * where.micro_batches]
     return reference
 
 
@@ -158,17 +162,20 @@ def piece_difference(references: list, pieces: list, where: RankPiece,
 
 
 def localize(model, reference, inputs, targets, global_inputs, global_targets, where: RankPiece,
-             tolerance: Tolerance, device) -> dict:
+             tolerance: Tolerance, device, stage_of=None) -> dict:
     """Run step 0's forward and backward once more on both sides, recording every module,
-    and return the first divergence (None when every module agrees). Collective."""
+    and return the first divergence (None when every module agrees). Collective. Under
+    pipeline parallel each rank records the modules of its own stages; modules are named
+    and ordered as the whole model (the reference) runs them, and `stage_of(name)` adds
+    the stage that holds each finding."""
     ours, theirs = Recorder(model), Recorder(reference.compute)
     try:
-        forward_backward(model, inputs, targets)
+        forward_backward(model, inputs, targets, where.micro_batches)
         reference.forward_backward(global_inputs, global_targets)
     finally:
         ours.close()
         theirs.close()
-    names = [name for name, _ in model.named_modules() if name]
+    names = [name for name, _ in reference.compute.named_modules() if name]
     # Each rank's loss is the mean over its own tokens (its rows, its chunks of them), so
     # its activation gradients are data_size x cp_size times the reference's (parameter
     # gradients are averaged by FSDP instead).
@@ -182,10 +189,10 @@ def localize(model, reference, inputs, targets, global_inputs, global_targets, w
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     rows = {(name, kind): table[i, k].tolist() for i, name in enumerate(names) for k, kind in enumerate(KINDS)}
 
-    backward = ours.backward_order + [n for n in reversed(ours.forward_order) if n not in ours.backward_order]
-    param_rows, largest_grad = parameter_gradient_rows(model, reference.model, backward)
+    backward = theirs.backward_order + [n for n in reversed(theirs.forward_order) if n not in theirs.backward_order]
+    param_rows, largest_grad = parameter_gradient_rows(model, reference.model, backward, names, device)
     findings = []
-    for kind, order in (("output", ours.forward_order), ("input gradient", ours.backward_order)):
+    for kind, order in (("output", theirs.forward_order), ("input gradient", theirs.backward_order)):
         for name in order:
             diff, scale = rows[(name, kind)]
             if diff >= 0 and diff > tolerance.activation * scale:
@@ -194,16 +201,20 @@ def localize(model, reference, inputs, targets, global_inputs, global_targets, w
     findings += [_finding(name, "parameter gradient", diff, scale, grad_limit)
                  for name, diff, scale in param_rows if diff > grad_limit]
     compared = sum(1 for (_, kind), (diff, _) in rows.items() if diff >= 0)
+    for finding in findings if stage_of is not None else ():
+        finding["stage"] = stage_of(finding["module"])
     return {"first": findings[0] if findings else None, "differing": findings[:10],
             "values_compared": compared + len(param_rows),
             "modules": len(names)}
 
 
-def parameter_gradient_rows(model, reference_model, backward_order: list[str]):
+def parameter_gradient_rows(model, reference_model, backward_order: list[str], names: list[str], device):
     """(module, largest difference, largest reference gradient) for each module with
     parameters of its own, in backward order; and the largest gradient overall. The
-    gathers (full_tensor) run in module order, the same on every rank."""
-    rows, largest = {}, 0.0
+    gathers (full_tensor) run in module order, the same on every rank of a stage; the
+    table, over the whole model's module `names`, is then reduced over every rank."""
+    table = torch.full((len(names), 2), -1.0, dtype=torch.float64, device=device)
+    index = {name: i for i, name in enumerate(names)}
     for name, module in model.named_modules():
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.grad is not None]
         if not name or not params:
@@ -214,8 +225,10 @@ def parameter_gradient_rows(model, reference_model, backward_order: list[str]):
             expected = theirs.get_parameter(param_name).grad
             diff = max(diff, max_abs_diff(full(param.grad), expected))
             scale = max(scale, expected.abs().max().item())
-        largest = max(largest, scale)
-        rows[name] = (name, diff, scale)
+        table[index[name]] = torch.tensor([diff, scale], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    rows = {name: (name, *table[i].tolist()) for i, name in enumerate(names) if table[i, 0] >= 0}
+    largest = max((scale for _, _, scale in rows.values()), default=0.0)
     return [rows[name] for name in backward_order if name in rows], largest
 
 

@@ -51,10 +51,24 @@ def _localizer(found: dict | None) -> list[str]:
         return [header, "  every module's output, input gradient and parameter gradients agree: the "
                         "divergence comes from outside step 0's forward and backward (optimizer, clipping, "
                         "later steps)."]
-    lines = [header, f"  first divergence: {first['module']} ({first['what']}): max abs diff "
+    lines = [header, f"  first divergence: {first['module']}{_stage(first)} ({first['what']}): max abs diff "
                      f"{first['max_abs_diff']:.2e}, relative {first['relative']:.2e}, tolerance {first['tolerance']:.1e}"]
-    lines += [f"  then: {f['module']} ({f['what']}) {f['max_abs_diff']:.2e}" for f in found["differing"][1:]]
+    lines += [f"  then: {f['module']}{_stage(f)} ({f['what']}) {f['max_abs_diff']:.2e}" for f in found["differing"][1:]]
     return lines
+
+
+def _pipeline(report: dict) -> list[str]:
+    pipeline = report.get("pipeline")
+    if not pipeline:
+        return []
+    stages = " | ".join(",".join(block.rsplit(".", 1)[-1] for block in blocks) for blocks in pipeline["blocks_per_stage"])
+    return [f"pipeline: {pipeline['schedule']}, {len(pipeline['blocks_per_stage'])} stages "
+            f"({pipeline['stages_per_rank']} per rank), blocks by stage {stages}, "
+            f"{report['micro_batches']} micro-batches"]
+
+
+def _stage(finding: dict) -> str:
+    return f" on pipeline stage {finding['stage']}" if "stage" in finding else ""
 
 
 def format_report(report: dict) -> str:
@@ -66,6 +80,7 @@ def format_report(report: dict) -> str:
         f"{report['dtype']} | {report['optimizer']} | {report['steps']} steps",
         f"tolerances ({tol['dtype']}, {tol['optimizer']}): step-0 loss {tol['loss']:.0e} abs, gradients {grad}, "
         f"grad norm {tol['norm']:.0e} rel; later steps x{tol['later_factor']:g}; replicated over tp: bitwise",
+        *_pipeline(report),
         "",
         *_steps(report),
         "",
