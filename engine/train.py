@@ -115,6 +115,10 @@ def run_pipeline(model, inputs, targets, micro_batches: int, loss: Callable, bac
     schedule scales nothing."""
     pipeline = pipeline_of(model)
     share_of = micro_batch_loss(loss, micro_batches)
+    # The batch's inputs and targets are views of one token tensor one column wider; torch
+    # 2.11's schedule runtime (interleaved zero bubble, ZBV) checks the first stage's input
+    # strides against contiguous ones and refuses the view.
+    inputs, targets = inputs.contiguous(), targets.contiguous()
     with loss_parallel() if pipeline.loss_parallel and pipeline.tp > 1 else nullcontext():
         if not backward:
             return pipeline.forward_only(inputs, targets, micro_batches, share_of)

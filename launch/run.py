@@ -150,7 +150,8 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         from parallel.pipeline import check_settings
         depth = cfg.parity.layers if args.parity else 0
         staged = build_on_meta(cfg.model.name, cfg.model.flavor, depth) if depth else model
-        check_settings(plan, staged, spec.pp, cfg.parallel, cfg.training.micro_batches)
+        backend = None if args.dry_run or args.plan_for else pick_device(cfg)[1]
+        check_settings(plan, staged, spec.pp, cfg.parallel, cfg.training.micro_batches, backend)
     data_size = spec.hsdp * spec.dp
     if cfg.training.global_batch % data_size:
         raise UserError(f"training.global_batch={cfg.training.global_batch} does not divide over "

@@ -102,12 +102,26 @@ def stages_of_rank(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[
     return [pp_rank + s * pp for s in range(per_rank)]
 
 
-def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches: int) -> list[int]:
+def runs_on_backend(schedule: str, backend: str | None) -> bool:
+    """torch before 2.13 opens a looped schedule by sending every stage's neighbours a
+    message, and in a V the turn (stages pp-1 and pp) lies on one rank, which gloo cannot
+    send to (torch 2.11: "Pair is not connected"). torch 2.13 opens it without messages to
+    itself. `backend` None: nothing will run (the dry run)."""
+    return not (schedule in V_SHAPED and backend == "gloo" and torch.__version__ < "2.13")
+
+
+def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches: int,
+                   backend: str | None = None) -> list[int]:
     """Everything about pipeline parallel that can be refused before any process group:
-    the plan's stages, the schedule against the stages per rank, the split, what the
-    zero-bubble schedules cannot run with, the micro-batches the schedule needs. Returns
-    the split (blocks per stage)."""
+    the plan's stages, the schedule against the stages per rank and the backend, the
+    split, what the zero-bubble schedules cannot run with, the micro-batches the schedule
+    needs. Returns the split (blocks per stage)."""
     schedule, per_rank = options.pp_schedule, options.pp_stages_per_rank
+    if not runs_on_backend(schedule, backend):
+        raise UserError(f"parallel.pp_schedule={schedule} cannot run over gloo (CPU) on torch {torch.__version__}: "
+                        f"it starts by sending a message from one of its ranks to the same rank, which gloo "
+                        f"cannot do; torch 2.13 and newer start it another way. Use InterleavedZeroBubble (the "
+                        f"same zero-bubble backward, looped instead of V-shaped), run on CUDA, or use torch >= 2.13.")
     if plan.stages is None:
         raise UserError(f"plan {plan.name!r} does not say how its model splits into pipeline stages, so pp={pp} "
                         f"cannot apply. Give the plan stages=Stages(first=..., last=...) (docs/plans.md, "
@@ -362,15 +376,15 @@ class Pipeline:
         return self._built[1]
 
     def _shapes(self, micro_rows: int, seq_len: int, device) -> tuple:
-        """Meta tensors of a micro-batch: tokens, the hidden state between stages, the logits
-        (each as this rank holds it), so the stages need not infer them at run time."""
+        """Meta tensors of a micro-batch: tokens, the hidden state between stages (each as
+        this rank holds it), the logits, so the stages need not infer them at run time. The
+        logits never cross ranks; torch 2.11 checks the last stage's output against them,
+        by its shape, which for vocabulary-sharded logits (a DTensor) is the whole one."""
         tokens = torch.zeros(micro_rows, seq_len, dtype=torch.long, device="meta")
         hidden = self._embed_on_meta(tokens)
         logits = self._head_on_meta(hidden)
         if self.sequence_parallel and self.tp > 1:  # received into this shape, so contiguous
             hidden = hidden.tensor_split(self.tp, dim=1)[0].contiguous()
-        if self.loss_parallel and self.tp > 1:
-            logits = logits.tensor_split(self.tp, dim=-1)[0].contiguous()
         # The activations carry gradients back: the stages derive what they receive in
         # backward from whether what they send requires grad.
         return tokens, hidden.to(self.param_dtype).requires_grad_(), logits.to(self.param_dtype).requires_grad_()

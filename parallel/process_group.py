@@ -71,6 +71,8 @@ def join_round_store(agent_store, host: str, world_size: int):
 
 
 def init_process_group(backend: str) -> None:
+    if dist.is_initialized():  # a process that runs several jobs keeps one (tests/shared_parity_worker.py)
+        return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
         return

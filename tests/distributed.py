@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -42,20 +43,65 @@ def own_output(text: str) -> str:
 
 
 _REPORTS: dict[tuple, tuple[dict, int]] = {}
+_RUNS = iter(range(10**9))  # numbers the report files of this session
+
+
+def parity_arguments(tmp_root: Path, out: Path, mesh: str, overrides: tuple, steps: int) -> list[str]:
+    return ["--parity", "--mesh", mesh, "--set", f"parity.steps={steps}", "--set", f"parity.report={out}",
+            "--set", f"run.dir={tmp_root}", *[arg for o in overrides for arg in ("--set", o)]]
 
 
 def parity_report(tmp_root: Path, mesh: str, *overrides: str, steps: int = 3) -> tuple[dict, int]:
     """`launch/run.py --parity` once per distinct case in this pytest session; returns
-    (the JSON report, the exit code)."""
+    (the JSON report, the exit code). A case that `run_together` ran already is read
+    from there."""
     import json
 
     key = (mesh, steps, overrides)
     if key not in _REPORTS:
-        out = tmp_root / f"parity-{len(_REPORTS)}.json"
-        result = launcher("--parity", "--mesh", mesh, "--set", f"parity.steps={steps}",
-                          "--set", f"parity.report={out}", "--set", f"run.dir={tmp_root}",
-                          *[arg for o in overrides for arg in ("--set", o)], timeout=600)
+        out = tmp_root / f"parity-{next(_RUNS)}.json"
+        result = launcher(*parity_arguments(tmp_root, out, mesh, overrides, steps), timeout=600)
         assert out.exists(), result.stdout[-3000:] + result.stderr[-4000:]
         assert "Traceback" not in own_output(result.stderr), result.stderr[-4000:]  # a verdict, never a crash
         _REPORTS[key] = json.loads(out.read_text()), result.returncode
     return _REPORTS[key]
+
+
+def world_size_of(mesh: str) -> int:
+    return math.prod(int(size) for size in re.findall(r"=(\d+)", mesh))
+
+
+def run_together(tmp_root: Path, cases: list[tuple[str, tuple, int]]) -> None:
+    """Run the parity cases (mesh, overrides, steps) not run yet, one torchrun job per
+    world size (tests/shared_parity_worker.py), and keep their reports for parity_report.
+    This only saves start-ups: a case the job did not finish (it crashed, hung or printed
+    a traceback) is left to parity_report, which runs it alone, as a user would, and
+    shows its own output."""
+    import json
+
+    pending = list(dict.fromkeys(case for case in cases if (case[0], case[2], case[1]) not in _REPORTS))
+    for world in sorted({world_size_of(mesh) for mesh, _, _ in pending}):
+        batch = []
+        for mesh, overrides, steps in pending:
+            if world_size_of(mesh) == world:
+                out = tmp_root / f"parity-{next(_RUNS)}.json"
+                batch.append({"key": (mesh, steps, overrides), "out": out, "done": out.with_suffix(".done"),
+                              "argv": parity_arguments(tmp_root, out, mesh, overrides, steps)})
+        cases_file = tmp_root / f"together-{next(_RUNS)}.json"
+        cases_file.write_text(json.dumps([{"argv": c["argv"], "done": str(c["done"])} for c in batch]))
+        try:
+            result = torchrun(world, REPO / "tests" / "shared_parity_worker.py", str(cases_file),
+                              timeout=120 + 240 * len(batch))
+            clean = "Traceback" not in own_output(result.stderr)
+        except subprocess.TimeoutExpired:
+            clean = False
+        for case in batch:
+            if clean and case["done"].exists() and case["out"].exists():
+                _REPORTS[case["key"]] = json.loads(case["out"].read_text()), int(case["done"].read_text())
+
+
+def selected(session, module: str, param: str) -> list:
+    """The values of `param` in the tests of `module` that this session runs, in order."""
+    return list(dict.fromkeys(item.callspec.params[param] for item in session.items
+                              if item.module.__name__ == module and hasattr(item, "callspec")
+                              and param in item.callspec.params))

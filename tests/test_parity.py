@@ -19,7 +19,7 @@ import fnmatch
 
 import pytest
 
-from tests.distributed import parity_report
+from tests.distributed import parity_report, run_together, selected
 
 GPT2 = ("model.name=gpt2", "parallel.plan=gpt2", "model.plugin=examples.gpt2_plan")
 PLANTED_BUG = ("model.plugin=tests.planted_bug_plan", "parallel.plan=llama_sp_missing_norm",
@@ -38,8 +38,9 @@ MATRIX = {
 
 
 @pytest.fixture(scope="session")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("parity")
+    run_together(root, [(*MATRIX[case], 3) for case in selected(request.session, __name__, "case") if case in MATRIX])
 
     def get(case: str, *extra: str):
         mesh, overrides = MATRIX[case] if case in MATRIX else (case, ())

@@ -19,7 +19,7 @@ from engine.errors import UserError
 from launch.run import check, parse_args
 from parallel.mesh import parse_mesh
 from parallel.pipeline import blocks_per_stage, even_split, stages_of_rank
-from tests.distributed import launcher, parity_report
+from tests.distributed import launcher, parity_report, run_together, selected
 from tests.test_cli import assert_clean_error
 from tests.test_parity import GPT2, PLANTED_BUG, assert_within_promised_tolerances
 
@@ -109,8 +109,10 @@ def test_bad_pipeline_settings_exit_2_on_the_command_line():
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("pipeline")
+    run_together(root, [(*PIPELINE_ROWS[case], 3) for case in selected(request.session, __name__, "case")
+                        if case in PIPELINE_ROWS])
 
     def get(case: str, *extra: str):
         mesh, overrides = PIPELINE_ROWS[case] if case in PIPELINE_ROWS else (case, ())
