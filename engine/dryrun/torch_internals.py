@@ -29,8 +29,11 @@ NEEDED_ATTRIBUTES = (("torch._C._distributed_c10d", "ProcessGroup", "unbox"),
                      ("torch._C", "_clear_DTensor_sharding_propagator_cache", "__call__"),
                      ("torch.distributed.tensor._sharding_prop", "ShardingPropagator",
                       "_propagate_tensor_meta_non_cached"))
-# A pipeline schedule's warm-up (pipeline_warmup_without_messages): one of these, by version.
+# A pipeline schedule's warm-up (pipeline_warmup_without_messages): one of these, by version
+# (2.13 and 2.14; 2.15; 2.11).
 PIPELINE_WARMUP = (("torch.distributed.pipelining.schedules", "_PipelineSchedule", "_warmup_p2p"),
+                   ("torch.distributed.pipelining.schedules", "_PipelineSchedule",
+                    "_initialize_pipeline_distributed_state"),
                    ("torch.distributed.pipelining.stage", "_PipelineStageBase", "_get_init_p2p_neighbors_ops"))
 # Only for a real run observed by the same code (record.isolated_collectives).
 MEASURING = (("torch._C._distributed_c10d", "Work"), ("torch._C._distributed_c10d", "_create_work_from_future"))
@@ -57,7 +60,7 @@ def check_supported(measuring: bool = False) -> None:
             raise UserError(f"--dry-run needs {name}.{attribute}, which torch {torch.__version__} lacks.")
     if not any(hasattr(_load(module, name), attribute) for module, name, attribute in PIPELINE_WARMUP):
         raise UserError(f"--dry-run needs one of {', '.join(f'{n}.{a}' for _, n, a in PIPELINE_WARMUP)} to observe a "
-                        f"pipeline step, and torch {torch.__version__} has neither.")
+                        f"pipeline step, and torch {torch.__version__} has none of them.")
 
 
 def start_fake_world(world_size: int, rank: int) -> None:
@@ -171,6 +174,15 @@ def _count_shape_propagation(tracker):
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 
 
+def pipeline_step_validated() -> bool:
+    """Whether the simulated pipeline step has matched real gloo runs on this torch
+    (tests/test_dryrun.py). On 2.15, which opens a schedule through
+    _initialize_pipeline_distributed_state, 3 of the 5 pipeline layouts differed: a real
+    1F1B step on pp=2,dp=2 did all 7 of its FSDP all-gathers in forward, the simulation 2
+    of them in backward."""
+    return not hasattr(_load(_SCHEDULES, "_PipelineSchedule"), "_initialize_pipeline_distributed_state")
+
+
 def pipeline_warmup_without_messages():
     """A context in which a pipeline schedule's first step sends no warm-up messages, for
     an observed step (real or simulated) to count what every later step does. From torch
@@ -179,7 +191,10 @@ def pipeline_warmup_without_messages():
     so the vote always says static, and here each stage is told so directly (torch 2.14
     does the same by itself in a fake process group, whose messages carry nothing; 2.13
     fails there). Before 2.13 the first step exchanges a dummy message with each
-    neighbour, which gloo and the fake backend do not need; here it is left out."""
+    neighbour, which gloo and the fake backend do not need; here it is left out. torch 2.15
+    moved the vote into _initialize_pipeline_distributed_state (an all-reduce over the
+    pipeline group, then connections to each neighbour): also decided locally here, unless
+    the stages use per-edge groups, which that method creates."""
     from contextlib import contextmanager
     from unittest import mock
 
@@ -195,6 +210,18 @@ def pipeline_warmup_without_messages():
                     stage._inference_mode = static
 
             with mock.patch.object(schedule_class, "_warmup_p2p", decide_locally):
+                yield
+        elif hasattr(schedule_class, "_initialize_pipeline_distributed_state"):
+            static = _load("torch.distributed.pipelining._utils", "InferenceMode").STATIC
+            original = schedule_class._initialize_pipeline_distributed_state
+
+            def decide_without_messages(self, stages, has_backward, initialize_p2p):
+                if any(getattr(stage, "p2p_per_edge", False) for stage in stages):
+                    return original(self, stages, has_backward, initialize_p2p)
+                for stage in stages:
+                    stage._inference_mode = static
+
+            with mock.patch.object(schedule_class, "_initialize_pipeline_distributed_state", decide_without_messages):
                 yield
         else:
             stage_class = _load("torch.distributed.pipelining.stage", "_PipelineStageBase")
