@@ -34,18 +34,31 @@ def ranks_print_errors() -> bool:
     return os.environ.get(LAUNCHED_HERE) != "1"
 
 
-def leave_error(paragraph: str) -> None:
-    """Write the paragraph where torchrun looks for a rank's root cause."""
+def _leave(data: dict) -> None:
+    """Write `data` where torchrun looks for a rank's root cause, whole or not at all.
+    torchrun's agent reads the error file of every rank that failed and dies on one that
+    is not JSON, and it stops a node's other ranks as soon as one fails: a rank stopped
+    while writing its file left it empty, and the agent died with JSONDecodeError instead
+    of restarting the node (tests/test_multinode.py, under CPU load)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        with open(path, "w") as out:
-            json.dump({"message": paragraph, "timestamp": int(time.time())}, out)
+        partial = f"{path}.{os.getpid()}.partial"
+        with open(partial, "w") as out:
+            json.dump(data, out)
+        os.replace(partial, path)
+
+
+def leave_error(paragraph: str) -> None:
+    """The paragraph, for torchrun to report as the root cause."""
+    _leave({"message": paragraph, "timestamp": int(time.time())})
 
 
 def leave_crash(err: BaseException) -> None:
-    """A crash's traceback, in torchrun's own error-file format."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-    ErrorHandler().record_exception(err)
+    """A crash's traceback, in the format of torchrun's own error files (its ErrorHandler)."""
+    import traceback
+    _leave({"message": {"message": f"{type(err).__name__}: {err}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(err)),
+                                      "timestamp": str(int(time.time()))}}})
 
 
 def _paragraph(failure) -> str | None:
