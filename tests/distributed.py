@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import itertools
 import os
 import re
 import subprocess
@@ -43,7 +43,7 @@ def own_output(text: str) -> str:
 
 
 _REPORTS: dict[tuple, tuple[dict, int]] = {}
-_RUNS = iter(range(10**9))  # numbers the report files of this session
+_RUNS = itertools.count()  # numbers the report files of this session
 
 
 def parity_arguments(tmp_root: Path, out: Path, mesh: str, overrides: tuple, steps: int) -> list[str]:
@@ -67,10 +67,6 @@ def parity_report(tmp_root: Path, mesh: str, *overrides: str, steps: int = 3) ->
     return _REPORTS[key]
 
 
-def world_size_of(mesh: str) -> int:
-    return math.prod(int(size) for size in re.findall(r"=(\d+)", mesh))
-
-
 def run_together(tmp_root: Path, cases: list[tuple[str, tuple, int]]) -> None:
     """Run the parity cases (mesh, overrides, steps) not run yet, one torchrun job per
     world size (tests/shared_parity_worker.py), and keep their reports for parity_report.
@@ -79,11 +75,13 @@ def run_together(tmp_root: Path, cases: list[tuple[str, tuple, int]]) -> None:
     shows its own output."""
     import json
 
+    from parallel.mesh import parse_mesh
+
     pending = list(dict.fromkeys(case for case in cases if (case[0], case[2], case[1]) not in _REPORTS))
-    for world in sorted({world_size_of(mesh) for mesh, _, _ in pending}):
+    for world in sorted({parse_mesh(mesh).world_size for mesh, _, _ in pending}):
         batch = []
         for mesh, overrides, steps in pending:
-            if world_size_of(mesh) == world:
+            if parse_mesh(mesh).world_size == world:
                 out = tmp_root / f"parity-{next(_RUNS)}.json"
                 batch.append({"key": (mesh, steps, overrides), "out": out, "done": out.with_suffix(".done"),
                               "argv": parity_arguments(tmp_root, out, mesh, overrides, steps)})

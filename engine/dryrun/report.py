@@ -159,11 +159,12 @@ def render_outcome(outcome) -> str:
 
 def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str:
     """The header of --plan-for (outcomes None), or its summary: the best layouts as commands."""
-    from engine.dryrun.search import HEADROOM, pipeline_searched
+    from engine.dryrun.search import HEADROOM
+    from engine.dryrun.torch_internals import pipeline_step_validated
     dry = cfg.dryrun
     if outcomes is None:
         import torch
-        unsearched = ("" if pipeline_searched() else
+        unsearched = ("" if pipeline_step_validated() else
                       f"\npipeline layouts left out: the dry run of a pipeline is not validated on torch "
                       f"{torch.__version__} (it is on 2.11, 2.13 and 2.14)")
         return (f"plan for {cfg.model.name}/{cfg.model.flavor} on {world} x {dry.device} "
