@@ -12,7 +12,8 @@ even when torchrun stops the other ranks (rank 0 included) before they print.
 
 `python launch/run.py` runs torchrun's agent in this process instead of exec-ing
 torchrun, so it can return the ranks' own exit code and print the paragraph once,
-from the error file, with no launcher traceback.
+from the error file, with no launcher traceback. On the CPU it forks the ranks from
+itself (launch/run.py: launch_under_torchrun).
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ def exit_code_of(failure) -> int:
     return code if code in (EXIT_FAILED, EXIT_USER_ERROR, EXIT_NONFINITE_LOSS) else EXIT_FAILED
 
 
-def run_agent(torchrun_args: list[str]) -> int:
-    """torchrun with these arguments, run in this process; returns the exit code."""
+def run_agent(torchrun_args: list[str], rank_function=None) -> int:
+    """torchrun with these arguments, run in this process; returns the exit code. With
+    `rank_function`, the ranks are forked from this process and run it with the script's
+    arguments instead of starting the script in a new interpreter."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -82,8 +85,12 @@ def run_agent(torchrun_args: list[str]) -> int:
     # ranks' output; what matters of them is reported below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ[LAUNCHED_HERE] = "1"
+    args = parse_args(torchrun_args)
     try:
-        run(parse_args(torchrun_args))
+        if rank_function is None:
+            run(args)
+        else:
+            _launch_forked(args, rank_function)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         paragraph = _paragraph(failure)
@@ -93,3 +100,37 @@ def run_agent(torchrun_args: list[str]) -> int:
             print(f"error: rank {rank} was stopped by signal {failure.signal_name()}.", file=sys.stderr)
         return exit_code_of(failure)
     return EXIT_OK
+
+
+def _launch_forked(args, rank_function) -> None:
+    """What torchrun's own `run` does for a --standalone launch, with the ranks forked to
+    run `rank_function(script arguments)`."""
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config, rank_function)(args.training_script_args)
+
+
+def prepare_forked_rank() -> None:
+    """Make a forked rank what a spawned one is. It inherits the agent's handlers of
+    SIGTERM, SIGINT, SIGHUP and SIGQUIT, which raise an exception where a rank should stop
+    as torchrun's spawned ranks do (the agent stops the others with SIGTERM when one
+    fails: they would print tracebacks); its output is unbuffered, as torchrun's `python
+    -u` makes it; and torch's threads follow OMP_NUM_THREADS, which the OpenMP runtime
+    read when this process imported torch, before the launcher set it."""
+    import signal
+
+    import torch
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout.reconfigure(line_buffering=True, write_through=True)
+    sys.stderr.reconfigure(line_buffering=True, write_through=True)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))

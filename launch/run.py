@@ -1,8 +1,8 @@
 """Train a model on a mesh: `python launch/run.py` or `torchrun ... launch/run.py`.
 
 Run without torchrun, it checks the config and mesh, then runs torchrun's agent in
-this process with as many ranks as the mesh needs, and exits with the ranks' own
-code (launch/exits.py). Under torchrun, each rank checks again before any process
+this process with as many ranks as the mesh needs (forked from this process on the
+CPU, spawned on GPUs), and exits with the ranks' own code (launch/exits.py). Under torchrun, each rank checks again before any process
 group exists, then: mesh, model on meta, plan, materialise, loop. Bad input exits
 with code 2 and one paragraph.
 """
@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 from engine.config import load_config  # noqa: E402
 from engine.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
                            NonFiniteLoss, UserError)
-from launch.exits import leave_crash, leave_error, ranks_print_errors, run_agent  # noqa: E402
+from launch.exits import leave_crash, leave_error, prepare_forked_rank, ranks_print_errors, run_agent  # noqa: E402
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
 from parallel.process_group import exit_without_teardown  # noqa: E402
@@ -216,14 +216,30 @@ def find_checkpoint(cfg):
     return resume_folder(to_dict(cfg), cfg.checkpoint, cfg.run.dir, expected, cfg.training.steps)
 
 
-def launch_under_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+def launch_under_torchrun(nproc: int, argv: list[str], device: str, max_restarts: int = 0) -> int:
     """Run this script on `nproc` local ranks under torchrun's agent, in this process;
-    returns the ranks' exit code (launch/exits.py)."""
+    returns the ranks' exit code (launch/exits.py). On the CPU the ranks are forked from
+    this process, which has imported torch and the engine already: a spawned rank spends
+    seconds of CPU on those imports, most of a small CPU run. CUDA cannot be used in a
+    process forked from one that may have touched it, so GPU ranks are spawned."""
     # One thread per rank unless the user chose: ranks share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     sys.stdout.flush()
+    fork = device == "cpu" and sys.platform.startswith("linux")
     return run_agent(["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-                      str(Path(__file__).resolve()), *argv])
+                      str(Path(__file__).resolve()), *argv], forked_rank if fork else None)
+
+
+def forked_rank(argv: list[str]) -> int:
+    """A rank forked by launch_under_torchrun: set up as a spawned rank would be, then run.
+    A failure leaves with its code; success returns, so that the agent collects it."""
+    prepare_forked_rank()
+    code = main(argv)
+    if code != EXIT_OK:
+        exit_without_teardown(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
 
 
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
@@ -335,16 +351,17 @@ def plan_depth(cfg) -> int:
     return depth
 
 
-def stop_with_error(paragraph: str, code: int) -> None:
+def stop_with_error(paragraph: str, code: int) -> int:
     """Bad input or a non-finite loss: one paragraph, printed once, and left for torchrun."""
     message = f"error: {paragraph}"
     leave_error(message)
     if is_rank_zero() and ranks_print_errors():
         print(message, file=sys.stderr)
-    exit_without_teardown(code)
+    return code
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit code (engine/errors.py) of this launch, or of this rank under torchrun."""
     argv = sys.argv[1:] if argv is None else argv
     # FSDP warns when the root returns a view (TP's replicated logits are one), in case the
     # caller modifies it in place; the loss here only reads the logits.
@@ -353,28 +370,28 @@ def main(argv: list[str] | None = None) -> None:
     torchrun = under_torchrun()
     try:
         if args.dry_run or args.plan_for:
-            exit_without_teardown(dry_run(args))
+            return dry_run(args)
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
         if not torchrun:
-            exit_without_teardown(launch_under_torchrun(spec.world_size, argv, args.max_restarts))
+            return launch_under_torchrun(spec.world_size, argv, pick_device(cfg)[0], args.max_restarts)
         if args.parity:
             from launch.parity import run_parity
-            exit_without_teardown(run_parity(cfg, spec))
+            return run_parity(cfg, spec)
         train_on_mesh(cfg, spec, show_plan=args.explain)
     except UserError as err:
-        stop_with_error(str(err), EXIT_USER_ERROR)
+        return stop_with_error(str(err), EXIT_USER_ERROR)
     except NonFiniteLoss as err:  # every rank sees the same global loss, so all stop here
         # Under a user's torchrun, the others would be stopped as soon as one exits:
         # let rank 0 finish its message first.
         import torch.distributed as dist
         dist.barrier()
-        stop_with_error(str(err), EXIT_NONFINITE_LOSS)
+        return stop_with_error(str(err), EXIT_NONFINITE_LOSS)
     except BaseException as err:  # a bug, not bad input: keep the traceback, still exit cleanly
         traceback.print_exc()
         leave_crash(err)
-        exit_without_teardown(EXIT_FAILED)
-    exit_without_teardown(EXIT_OK)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    exit_without_teardown(main())

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: E4
 
 from engine.checkpoint.store import step_name  # noqa: E402
 from launch.run import main  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 
 def fill_disk_at(step: int) -> None:
@@ -33,4 +34,4 @@ def fill_disk_at(step: int) -> None:
 
 if __name__ == "__main__":
     fill_disk_at(int(sys.argv[1]))
-    main(sys.argv[2:])
+    exit_without_teardown(main(sys.argv[2:]))

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.checkpoint.dcp import Checkpointer  # noqa: E402
 from launch.run import main  # noqa: E402
+from parallel.process_group import exit_without_teardown  # noqa: E402
 
 
 def kill_after(rank: int, step: int, marker: Path) -> None:
@@ -36,4 +37,4 @@ def kill_after(rank: int, step: int, marker: Path) -> None:
 
 if __name__ == "__main__":
     kill_after(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
-    main(sys.argv[4:])
+    exit_without_teardown(main(sys.argv[4:]))

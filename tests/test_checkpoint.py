@@ -200,17 +200,18 @@ def test_import_starts_parallel_run_from_exported_weights(reference, tmp_path):
 
 
 def rank_pid(parent: int, rank: int) -> int | None:
-    """The pid of the worker with RANK=`rank` among `parent`'s children (torchrun's workers)."""
+    """The pid of local rank `rank` among `parent`'s children (torchrun's workers, which it
+    starts in rank order, and nothing else: forked ranks show the launcher's environment
+    and command line, so only their order tells them apart)."""
+    children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if f"RANK={rank}".encode() in environ:
-            return int(stat.parent.name)
-    return None
+        if int(fields[1]) == parent:
+            children.append((int(fields[19]), int(stat.parent.name)))  # start time, pid
+    return sorted(children)[rank][1] if len(children) > rank else None
 
 
 @pytest.mark.distributed
