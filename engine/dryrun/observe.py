@@ -89,9 +89,11 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
             tracker.memory_tracking.pop(module, None)
 
     clear_module_stats = register_module_forward_pre_hook(forget_root)
-    warmup = torch_internals.pipeline_warmup_without_messages() if hasattr(model, "pipeline") else nullcontext()
+    pipelined = hasattr(model, "pipeline")
+    warmup = torch_internals.pipeline_warmup_without_messages() if pipelined else nullcontext()
+    released = torch_internals.fake_stage_outputs_released() if pipelined and fake else nullcontext()
     with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup, \
-            (shapes_only() if fake else nullcontext()):
+            released, (shapes_only() if fake else nullcontext()):
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),

@@ -9,9 +9,10 @@ are counted by the same rules:
   input, an all-reduce's tensor;
 - its mesh dimension is the one whose process group it ran on;
 - its phase is `forward`, `backward` (anything under Tensor.backward or autograd's
-  backward and grad, including FSDP's reduce-scatters, and a pipeline stage's gradient
-  reduction after its last micro-batch) or `optimizer` (the loss mean, the gradient norm,
-  the update); point-to-point messages between pipeline stages are `pipeline`;
+  backward and grad, or while autograd's engine runs a backward, including FSDP's
+  reduce-scatters, and a pipeline stage's gradient reduction after its last
+  micro-batch) or `optimizer` (the loss mean, the gradient norm, the update);
+  point-to-point messages between pipeline stages are `pipeline`;
 - state bytes are the local shards' element counts times their element sizes.
 """
 
@@ -105,29 +106,51 @@ def named_groups(dims) -> dict[str, str]:
 class _Phase(TorchFunctionMode):
     """`backward` inside Tensor.backward and inside autograd's own backward and grad, which
     a pipeline schedule calls for each micro-batch (the forward and backward of different
-    micro-batches alternate); `forward` elsewhere until `optimizer()`."""
+    micro-batches alternate), and wherever autograd's engine is running a backward on this
+    thread; `forward` elsewhere until `optimizer()`.
+
+    The engine's own word is needed because a torch-function mode does not see every
+    backward: torch.autograd.backward offers itself to modes only when one of its roots is
+    a tensor, and from torch 2.15 a pipeline stage releases a plain-tensor output once it
+    is sent and starts that micro-batch's backward from the output's GradientEdge
+    (stage.py: _output_slot_is_releasable, stage_backward). A real run's first stage did
+    its FSDP pre-backward all-gathers there, unseen, so they were counted as forward; the
+    dry run's stage output is a FakeTensor, which torch never releases, so its backward
+    was seen."""
 
     BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
     def __init__(self):
         super().__init__()
-        self.phase = "forward"
+        self.marked = "forward"  # what the calls seen (and optimizer()) say
         self.depth = 0
+
+    @property
+    def phase(self) -> str:
+        if self.marked == "forward" and torch_internals.in_autograd_backward():
+            return "backward"
+        return self.marked
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func not in self.BACKWARD:
             return func(*args, **(kwargs or {}))
-        self.depth += 1
-        self.phase = "backward"
+        self.enter_backward()
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            self.depth -= 1
-            if self.depth == 0:
-                self.phase = "forward"
+            self.leave_backward()
+
+    def enter_backward(self) -> None:
+        self.depth += 1
+        self.marked = "backward"
+
+    def leave_backward(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.marked = "forward"
 
     def optimizer(self) -> None:
-        self.phase = "optimizer"
+        self.marked = "optimizer"
 
 
 class CommTable:
@@ -263,14 +286,11 @@ def recording(dims, table: CommTable, fake: bool):
     def in_backward(stage, *args, **kwargs):
         # A pipeline stage reduces its gradients (FSDP's reduce-scatters) after the last
         # micro-batch's backward, outside autograd: still the backward's work.
-        phase.depth += 1
-        phase.phase = "backward"
+        phase.enter_backward()
         try:
             return reduce_grad(stage, *args, **kwargs)
         finally:
-            phase.depth -= 1
-            if phase.depth == 0:
-                phase.phase = "forward"
+            phase.leave_backward()
 
     with ExitStack() as stack:
         stack.enter_context(phase)

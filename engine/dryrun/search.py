@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from engine.config import with_overrides
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
 from engine.dryrun.observe import Observation
-from engine.dryrun.torch_internals import pipeline_step_validated
 from engine.errors import UserError
 from parallel.mesh import MeshSpec
 
@@ -150,7 +149,7 @@ def context_degrees(cfg, ranks: int) -> list[int]:
 def meshes(cfg, world: int, depth: int | None = None) -> list[MeshSpec]:
     """With `depth` (the model's blocks), pipeline sizes too: up to one block per stage."""
     gpus_per_node = cfg.dryrun.gpus_per_node
-    pipeline = pipeline_sizes(cfg) if depth is not None and plan_has_stages(cfg) and pipeline_step_validated() else (1,)
+    pipeline = pipeline_sizes(cfg) if depth is not None and plan_has_stages(cfg) else (1,)
     found = []
     for pp in pipeline:
         if world % pp or (depth is not None and pp > depth):

@@ -150,11 +150,9 @@ def to_fake(model) -> None:
 
 
 def refuse_split_backward(cfg, spec) -> None:
-    """What the dry run cannot simulate. A zero-bubble schedule computes input gradients
-    with autograd.grad, which the memory tracker's hooks on a stage's inputs do not
-    support ("A leaf node was passed to _will_engine_execute_node but we are currently
-    running autograd.grad()"). And any pipeline on a torch where its simulated step is
-    not validated (torch_internals.pipeline_step_validated)."""
+    """A zero-bubble schedule computes input gradients with autograd.grad, which the memory
+    tracker's hooks on a stage's inputs do not support ("A leaf node was passed to
+    _will_engine_execute_node but we are currently running autograd.grad()")."""
     from parallel.pipeline import ZERO_BUBBLE
     schedule = cfg.parallel.pp_schedule
     if spec.pp > 1 and schedule in ZERO_BUBBLE:
@@ -163,11 +161,6 @@ def refuse_split_backward(cfg, spec) -> None:
                         f"over a stage's received input). Simulate Interleaved1F1B with the same stages for its "
                         f"memory and messages (a zero-bubble schedule holds more while weight passes wait), or "
                         f"train it and read the memory in metrics.jsonl.")
-    if spec.pp > 1 and not torch_internals.pipeline_step_validated():
-        raise UserError(f"--dry-run of a pipeline (pp={spec.pp}) is not supported on torch {torch.__version__} yet: "
-                        f"its simulated step does not match real runs there (FSDP's all-gathers fall in other "
-                        f"phases). It matched them on torch 2.11, 2.13 and 2.14; use one of those for the dry run of this "
-                        f"layout, or a mesh without pp.")
 
 
 def eager(cfg):
