@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,9 +28,31 @@ def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300) -
 
 
 def launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python launch/run.py ARGS`, which starts torchrun itself."""
-    return subprocess.run([sys.executable, str(REPO / "launch" / "run.py"), *args], cwd=REPO,
-                          env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+    """`python launch/run.py ARGS`, which starts torchrun itself: run by a process that has
+    imported torch and the engine already and forks one child per launch
+    (tests/launch_server.py), one such process per thread that asks."""
+    import json
+    import tempfile
+
+    server = getattr(_SERVERS, "server", None)
+    if server is None or server.poll() is not None:
+        server = _SERVERS.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "launch_server.py")],
+                                                    cwd=REPO, env=cpu_env(), stdin=subprocess.PIPE,
+                                                    stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, str(REPO / "launch" / "run.py"), *args]
+    with tempfile.TemporaryDirectory() as scratch:
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        server.stdin.write(json.dumps({"argv": list(args), "env": env or cpu_env(), "cwd": str(REPO),
+                                       "stdout": str(out), "stderr": str(err), "timeout": timeout}) + "\n")
+        server.stdin.flush()
+        answer = json.loads(server.stdout.readline())
+        stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+    if answer.get("timed_out"):
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, answer["code"], stdout, stderr)
+
+
+_SERVERS = threading.local()
 
 
 # A line of torch's own logging, e.g. "[rank0]:W1123 18:24:50.607000 6708 .../codecache.py:662] ...".
