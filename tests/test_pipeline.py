@@ -166,6 +166,19 @@ def test_localizer_names_the_module_and_its_stage(reports):
     assert {f["what"] for f in found["differing"]} == {"parameter gradient"}
 
 
+@pytest.mark.distributed
+@pytest.mark.compat
+def test_localizer_names_the_module_and_its_stage_under_context_parallel(reports):
+    """tests/planted_pp_cp_bug.py at pp=2,cp=2: the stages run their blocks without the
+    positions of each cp rank's chunks, so the first attention core's output is the first
+    thing wrong, on stage 0."""
+    report, code = reports("pp=2,cp=2", "model.plugin=tests.planted_pp_cp_bug",
+                           "parallel.plan=llama_stages_position_blind", "training.micro_batches=2")
+    assert (code, report["verdict"]) == (1, "FAIL")
+    first = report["localizer"]["first"]
+    assert (first["module"], first["what"], first["stage"]) == ("layers.0.attention.core", "output", 0), first
+
+
 # -- checkpoints ---------------------------------------------------------------------------
 # One pp=2 run (3 steps, checkpoints after steps 2 and 3, the final weights exported to one
 # file and as a Hugging Face folder), then resumes from step 2 on other layouts. The loss
