@@ -21,7 +21,10 @@ What is searched, and why not more:
   more than one node;
 - activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
   for each mesh and reshard setting the search stops at the first that fits, since
-  the later ones recompute or re-gather more and are never faster in the step model;
+  the later ones recompute or re-gather more and are never faster in the step model.
+  When the first does not fit, the last (full AC, the most micro-batches), which needs
+  least memory, is simulated next: when it does not fit either, none between does, and
+  they are not simulated (a model too large for a mesh costs two simulations, not 16);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -414,6 +417,35 @@ def solve(columns: list[tuple], target: tuple) -> list[Fraction] | None:
     return [rows[i][-1] / rows[i][i] for i in range(len(columns))]
 
 
+def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int) -> list[list[Layout]]:
+    """One mesh and reshard setting's layouts, in ladders climbed to their first fit: without
+    pp, the AC modes each with micro-batches 1, 2, 4, 8; with pp, the AC modes for each
+    schedule, every sequence its own micro-batch (module docstring)."""
+    if spec.pp == 1:
+        return [[Layout(spec, reshard, ac, micro, sequence_parallel) for ac in AC_MODES for micro in MICRO_BATCHES]]
+    return [[Layout(spec, reshard, ac, max(1, rows), sequence_parallel, schedule, per_rank) for ac in AC_MODES]
+            for schedule, per_rank in PIPELINE_SCHEDULES]
+
+
+def first_fit(ladder: list[Layout], evaluate) -> list[Outcome]:
+    """The outcomes of the ladder's layouts up to the first that fits, in order. After the
+    first, the last is simulated, which needs least memory: when it does not fit, none
+    between does, and they are not simulated; when one between fits, the last is left out."""
+    if not ladder:
+        return []
+    outcomes = [evaluate(ladder[0])]
+    if outcomes[0].estimate is not None or len(ladder) == 1:
+        return outcomes
+    last = evaluate(ladder[-1])
+    if last.estimate is None:
+        return outcomes + [last]
+    for layout in ladder[1:-1]:
+        outcomes.append(evaluate(layout))
+        if outcomes[-1].estimate is not None:
+            return outcomes
+    return outcomes + [last]
+
+
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
     """Every layout searched, best first: those that fit by tokens/s, then the others."""
     dry = cfg.dryrun
@@ -423,22 +455,15 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
     usable = dry.gpu_memory_gib * GIB * (1 - HEADROOM)
     outcomes = []
     sequence_parallel = offers_sequence_parallel(cfg)
+
+    def evaluate(layout: Layout) -> Outcome:
+        return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
+
     for spec in meshes(cfg, world, depth):
         rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-        # Without pp: micro-batches 1, 2, 4, 8 until one fits. With pp: a schedule each, and
-        # every sequence its own micro-batch (module docstring).
-        options = ([(micro, "1F1B", 1) for micro in MICRO_BATCHES] if spec.pp == 1 else
-                   [(max(1, rows), schedule, per_rank) for schedule, per_rank in PIPELINE_SCHEDULES])
         for reshard in reshard_options(spec, dry.gpus_per_node):
-            found = set()  # without pp one fit ends the ladder; with pp, one per schedule
-            for ac in AC_MODES:
-                for micro, schedule, per_rank in options:
-                    layout = Layout(spec, reshard, ac, micro, sequence_parallel, schedule, per_rank)
-                    if (spec.pp == 1 and found) or schedule in found or not runnable(cfg, layout, depth):
-                        continue
-                    outcome = evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
-                    if outcome.estimate is not None:
-                        found.add(schedule)
+            for ladder in ladders(spec, reshard, sequence_parallel, rows):
+                for outcome in first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate):
                     report(outcome)
                     outcomes.append(outcome)
     fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))
