@@ -81,7 +81,7 @@ AC_MODES = ("none", "op", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.10  # of GPU memory, for what is not a tensor: allocator, NCCL, CUDA context
 CP_MIN_TOKENS = 8192  # the shortest slice of a sequence a cp rank is given in the search
-SHORT_CANDIDATES = 12  # the cheapest short pipelines whose combinations short_pipelines tries
+SHORT_CANDIDATES = 12  # the short pipelines with fewest micro-batches whose combinations are tried
 
 
 PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))  # (schedule, stages per rank)
@@ -374,30 +374,32 @@ def short_pipelines(schedule: str, pp: int, per_rank: int, micro_batches: int,
                     rank: int) -> tuple[tuple[tuple[int, int, int], Fraction], ...]:
     """((pipeline size, rank, micro-batches), weight) of the cheapest short pipelines, in
     micro-batches simulated, whose schedule features (schedule_features) combine to rank
-    `rank`'s with these weights; one of them may be the layout itself. Each holds the
-    same role, first stage, last or in between; a pipeline of 2 only for one of 2, where
-    the group of the first and last stage's ranks (a tied weight's) is the pp group."""
+    `rank`'s with these weights, among the SHORT_CANDIDATES with the fewest micro-batches;
+    failing that, the layout itself. Each holds the same role, first stage, last or in
+    between; a pipeline of 2 only for one of 2, where the group of the first and last
+    stage's ranks (a tied weight's) is the pp group."""
     from parallel.pipeline import micro_batches_needed
 
     target, shape = schedule_features(schedule, pp, per_rank, micro_batches, rank)
-    candidates = {}
-    for size in range(2 if pp == 2 else 3, pp + 1):
-        short_rank = 0 if rank == 0 else size - 1 if rank == pp - 1 else 1
-        for micro in range(size, micro_batches + 1):
+    candidates = {}  # features -> the first (fewest micro-batches) run that has them
+    for micro in range(2, micro_batches + 1):
+        if len(candidates) >= SHORT_CANDIDATES:
+            break
+        for size in range(2 if pp == 2 else 3, min(pp, micro) + 1):
+            short_rank = 0 if rank == 0 else size - 1 if rank == pp - 1 else 1
             if micro_batches_needed(schedule, size, per_rank, micro):
                 continue
             features, its_shape = schedule_features(schedule, size, per_rank, micro, short_rank)
             if its_shape == shape:
                 candidates.setdefault(features, (size, short_rank, micro))
-    cheapest = sorted(candidates.items(), key=lambda item: item[1][2])[:SHORT_CANDIDATES]
     best = None
     for count in range(1, len(target) + 1):
-        for chosen in itertools.combinations(cheapest, count):
+        for chosen in itertools.combinations(candidates.items(), count):
             cost = sum(run[2] for _, run in chosen)
             weights = None if best and cost >= best[0] else solve([features for features, _ in chosen], target)
             if weights is not None:
                 best = (cost, tuple(zip((run for _, run in chosen), weights)))
-    return best[1]
+    return best[1] if best else (((pp, rank, micro_batches), Fraction(1)),)  # else the layout itself
 
 
 def solve(columns: list[tuple], target: tuple) -> list[Fraction] | None:
