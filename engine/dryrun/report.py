@@ -159,21 +159,25 @@ def render_outcome(outcome) -> str:
 
 def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str:
     """The header of --plan-for (outcomes None), or its summary: the best layouts as commands."""
-    from engine.dryrun.search import HEADROOM
+    from engine.dryrun.search import HEADROOM, pipeline_sizes, plan_has_stages
     from engine.dryrun.torch_internals import pipeline_step_validated
     dry = cfg.dryrun
     if outcomes is None:
         import torch
-        unsearched = ("" if pipeline_step_validated() else
-                      f"\npipeline layouts left out: the dry run of a pipeline is not validated on torch "
-                      f"{torch.__version__} (it is on 2.11, 2.13 and 2.14)")
+        pipelines = ""
+        if not pipeline_step_validated():
+            pipelines = (f"\npipeline layouts left out: the dry run of a pipeline is not validated on torch "
+                         f"{torch.__version__} (it is on 2.11, 2.13 and 2.14)")
+        elif plan_has_stages(cfg) and max(pipeline_sizes(cfg)) > 1:
+            pipelines = ("\nwith pp: each stage role combined from pipelines of fewer ranks over fewer "
+                         "micro-batches (at 2 and 3 blocks per stage, extrapolated, where its stages hold more)")
         return (f"plan for {cfg.model.name}/{cfg.model.flavor} on {world} x {dry.device} "
                 f"({dry.gpu_memory_gib:g} GiB each, {1 - HEADROOM:.0%} of it for tensors; {dry.gpus_per_node} per "
                 f"node), global batch {cfg.training.global_batch} x seq {cfg.training.seq_len}\n"
                 f"each layout: rank 0 simulated at two depths one block apart (with selective AC, "
                 f"parallel.checkpoint_every blocks apart), extrapolated to "
                 f"{depth}; step time analytic "
-                f"(docs/planning.md){unsearched}")
+                f"(docs/planning.md){pipelines}")
     fits = [o for o in outcomes if o.estimate is not None]
     lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, {len(outcomes) - len(fits)} do not"]
     if not fits:
