@@ -22,9 +22,9 @@ What is searched, and why not more:
 - activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
   for each mesh and reshard setting the search stops at the first that fits, since
   the later ones recompute or re-gather more and are never faster in the step model.
-  When the first does not fit, the last (full AC, the most micro-batches), which needs
-  least memory, is simulated next: when it does not fit either, none between does, and
-  they are not simulated (a model too large for a mesh costs two simulations, not 16);
+  After the first, each micro-batch count is tried with full AC before the others, as
+  that needs least memory at that count: when it does not fit, the count's other layouts
+  are not simulated (first_fit);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -431,21 +431,26 @@ def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int) ->
 
 def first_fit(ladder: list[Layout], evaluate) -> list[Outcome]:
     """The outcomes of the ladder's layouts up to the first that fits, in order. After the
-    first, the last is simulated, which needs least memory: when it does not fit, none
-    between does, and they are not simulated; when one between fits, the last is left out."""
-    if not ladder:
-        return []
-    outcomes = [evaluate(ladder[0])]
-    if outcomes[0].estimate is not None or len(ladder) == 1:
-        return outcomes
-    last = evaluate(ladder[-1])
-    if last.estimate is None:
-        return outcomes + [last]
-    for layout in ladder[1:-1]:
-        outcomes.append(evaluate(layout))
+    first, a layout is simulated only when its micro-batch count fits with full AC, which
+    needs least memory at that count: that layout is simulated first, and when it does not
+    fit (its outcome says so), the count's other layouts are left out. (Not across counts:
+    without pp, more micro-batches hold the whole model's unreduced gradients.)"""
+    outcomes, full_ac = [], {}  # micro-batches -> the outcome of its full-AC layout
+    for layout in ladder:
+        count = layout.micro_batches
+        least = next((other for other in ladder if other.micro_batches == count
+                      and other.activation_checkpoint == "full"), None)
+        if outcomes and least is not None and count not in full_ac:
+            full_ac[count] = evaluate(least)
+            if full_ac[count].estimate is None:
+                outcomes.append(full_ac[count])
+        known = full_ac.get(count)
+        if known is not None and known.estimate is None:
+            continue
+        outcomes.append(known if layout is least and known is not None else evaluate(layout))
         if outcomes[-1].estimate is not None:
             return outcomes
-    return outcomes + [last]
+    return outcomes
 
 
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
