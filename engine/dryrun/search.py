@@ -35,10 +35,11 @@ What is searched, and why not more:
   of them in flight whatever their number, and more of them shrink the bubble). GPipe
   is left out (it keeps every micro-batch in flight for 1F1B's bubble), and so are the
   zero-bubble schedules, which the dry run cannot simulate (simulate.refuse_split_backward).
-  Each distinct stage role is combined from short pipelines (below), with 2 and 3 blocks
-  per stage and extrapolated to its own blocks; the layout's peak is the largest role's,
-  its step the slowest role's. With pp, tp is the largest the plan takes within a node (a
-  model that needs pipeline stages needs its activations split as far as a node allows).
+  Each distinct stage role is combined from short pipelines (below), with its own blocks
+  or, where that would simulate more, with 2 and 3 blocks per stage and extrapolated to
+  them (observe_blocks); the layout's peak is the largest role's, its step the slowest
+  role's. With pp, tp is the largest the plan takes within a node (a model that needs
+  pipeline stages needs its activations split as far as a node allows).
 
 Short pipelines. A pipeline rank's step is its stages' forwards and backwards in the
 schedule's order (torch's own: torch_internals.schedule_actions), then the stages'
@@ -56,9 +57,9 @@ vectors, with the most in flight, combine exactly to the layout's rank's (short_
 and combines their observations with the same weights: the collectives exactly, the
 peak along the same line. They keep the schedule's shape (all forwards before the first
 backward or not, and as many rounds over the rank's stages), so that the peak falls at
-the same point of it. At 405B on pp=16 with 64 micro-batches that is 7 to 36
-micro-batches per short pipeline instead of 16 and 17 at the real depth of the pipeline,
-and tests/test_dryrun.py checks the combination against a simulation of the real one.
+the same point of it. At 405B on pp=16 with 64 micro-batches that is 3 to 20
+micro-batches per short pipeline instead of 16 and 17 in a pipeline of 16, and
+tests/test_dryrun.py checks the combination against a simulation of the real one.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def extrapolate(one: Observation, two: Observation, first: int, period: int, dep
     return combine([one, two], [1 - grown, grown])
 
 
-def combine(observations: list[Observation], weights: list[Fraction]) -> Observation:
+def combine(observations: list[Observation], weights: list) -> Observation:
     """The weighted sum of observations whose weights add up to 1: a point on the line (or
     plane) through them, for quantities that are linear along it. Each phase's peak grows
     at its own rate (the forward's with the saved activations, the optimizer's with the
@@ -295,9 +296,7 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
 
 def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tuple[Observation, float]]:
     """Under pipeline parallel: (the observation, the FLOPs per token) of each distinct
-    stage role (simulate.pipeline_ranks) at `depth` blocks, combined from short pipelines
-    (observe_role) with the role's own blocks per stage, or, where it holds more than 3
-    in a stage, with 2 and 3 blocks per stage and extrapolated to its blocks."""
+    stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks)."""
     from engine.dryrun.estimate import stage_flops_per_token
     from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
@@ -311,14 +310,25 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tup
     roles = []
     for pp_rank in pipeline_ranks(cfg, spec, depth):
         held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
-        blocks = [split[stage] for stage in held]
-        if max(blocks) <= 3:
-            observed = observe_role(cfg, layout, world, pp_rank, blocks)
-        else:
-            shallow, deeper = (observe_role(cfg, layout, world, pp_rank, [n] * per_rank) for n in (2, 3))
-            observed = extrapolate(shallow, deeper, 2 * per_rank, per_rank, sum(blocks))
+        observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
         roles.append((observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)))
     return roles
+
+
+def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
+    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds (observe_role):
+    simulated with them when that simulates no more blocks than extrapolating would, else
+    extrapolated from 2 blocks in every stage and from 3 in each stage in turn. Each stage
+    grows on its own: its blocks' collectives count once per forward or backward of that
+    stage, and the stages of a rank run in different orders (with unequal stages, a line
+    through 2 and 3 blocks in every stage got 7 of rank 0's 456 all-gathers in the wrong
+    phase at 405B, Interleaved1F1B, pp=16)."""
+    points = [[2] * len(blocks)] + [[3 if i == stage else 2 for i in range(len(blocks))]
+                                    for stage in range(len(blocks))]
+    if sum(blocks) <= sum(map(sum, points)):
+        return observe_role(cfg, layout, world, pp_rank, blocks)
+    weights = [1 - sum(n - 2 for n in blocks)] + [n - 2 for n in blocks]
+    return combine([observe_role(cfg, layout, world, pp_rank, point) for point in points], weights)
 
 
 def observe_role(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
