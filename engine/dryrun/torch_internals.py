@@ -191,7 +191,9 @@ def schedule_actions(schedule: str, pp: int, per_rank: int, micro_batches: int, 
     """Pipeline rank `rank`'s forwards and backwards in one step, in order, each as (its
     local stage, "F" or "B"), for 1F1B or Interleaved1F1B: torch's own order, from the
     method each schedule computes it with, called on the numbers it reads, so that the
-    search knows a step's order without building its stages."""
+    search knows a step's order without building its stages. (Schedule1F1B steps through
+    its own loop; _get_pipeline_order lists the same warm-up, steady and cool-down, as the
+    search's tests against full simulations confirm.)"""
     from types import SimpleNamespace
     if schedule == "1F1B":
         numbers = SimpleNamespace(_num_stages=pp, _n_microbatches=micro_batches)
