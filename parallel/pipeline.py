@@ -454,11 +454,16 @@ class Pipeline:
         dist.gather_object(found, stages, dst=0, group=self.group)
         return {key: value for stage in stages for key, value in stage.items()} if stages else {}
 
+    def held_ties(self) -> list[TiedCopies]:
+        """The ties this rank holds a copy of: a middle stage of 3 or more may hold none (it is
+        then in no tie's group)."""
+        return [tie for tie in self.ties if tie.local]
+
     @torch.no_grad()
     def sync_tied_weights(self) -> None:
         """Every copy of a shared parameter takes the canonical copy's values: a broadcast
         from the stage that holds the first of its names."""
-        for tie in self.ties:
+        for tie in self.held_ties():
             values = [_local(part.get_parameter(name)) for part, name in tie.local]
             canonical = next((v for (_, name), v in zip(tie.local, values) if name == tie.names[0]), values[0])
             if tie.group is not None:
@@ -471,7 +476,7 @@ class Pipeline:
     def sync_tied_gradients(self) -> None:
         """Each copy's gradient becomes the sum over all copies: the gradient of the one
         shared parameter."""
-        for tie in self.ties:
+        for tie in self.held_ties():
             grads = [_local(part.get_parameter(name).grad) for part, name in tie.local]
             total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
             if tie.group is not None:

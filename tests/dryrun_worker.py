@@ -52,9 +52,6 @@ def measure_and_predict(layouts, out: Path, world_size: int) -> tuple[list[dict]
             [json.loads((out / f"predicted-{i}.json").read_text()) for i in range(len(layouts))])
 
 
-WORLD_OF_EXTRAPOLATION = 8
-
-
 def layout_config(mesh: str, overrides: list[str]):
     return load_config(REPO / "configs" / "debug.yaml", [f"parallel.mesh={mesh}", *overrides])
 
@@ -80,16 +77,19 @@ def measure(layouts, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def extrapolation(layouts, out: Path, world_size: int) -> None:
-    """For --plan-for's shortcut: rank 0's step simulated at full depth, and extrapolated
-    from one and two block periods, side by side in OUT/extrapolated-<layout>.json."""
+def extrapolation(layouts, out: Path) -> None:
+    """For --plan-for's shortcuts: rank 0's step (with pp, each stage role's) simulated at
+    full depth, and as the search simulates it (engine/dryrun/search.py: extrapolated from
+    two depths; with pp, combined from short pipelines), side by side in
+    OUT/extrapolated-<layout>.json. Each mesh gives every size, hence the world's."""
     from engine.dryrun.search import Layout, observe, observe_stage_roles
     from engine.dryrun.simulate import eager, observe_rank_zero, pipeline_ranks
     from models import model_args
 
     for index, (mesh, overrides) in enumerate(layouts):
         cfg, _ = eager(layout_config(mesh, overrides))
-        spec = parse_mesh(mesh).resolve(world_size)
+        spec = parse_mesh(mesh)
+        world_size = spec.world_size
         p = cfg.parallel
         layout = Layout(spec, str(p.reshard_after_forward).lower(), p.activation_checkpoint,
                         cfg.training.micro_batches, schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank)
@@ -112,4 +112,4 @@ if __name__ == "__main__":
         exit_without_teardown(0)
     else:
         assert mode == "extrapolation", mode
-        extrapolation(layouts, Path(out_dir), WORLD_OF_EXTRAPOLATION)
+        extrapolation(layouts, Path(out_dir))

@@ -222,16 +222,33 @@ def test_dry_run_of_every_combination_row(combination_reports, index):
     assert report["step"]["step_s"] > 0
 
 
-EXTRAPOLATED = [  # the 100M flavor (12 blocks), 8 ranks of the fake process group
+EXTRAPOLATED = [  # ranks of the fake process group, as many as each mesh names
     ("dp=8", ["model.flavor=100M", "training.seq_len=32"]),
     ("dp=4,tp=2", ["model.flavor=100M", "training.seq_len=32", "parallel.sequence_parallel=true",
                    "parallel.activation_checkpoint=selective"]),
     ("hsdp=2,dp=4", ["model.flavor=100M", "training.seq_len=32", "parallel.reshard_after_forward=2",
                      "parallel.activation_checkpoint=full", "training.micro_batches=2"]),
-    # Each stage role of 6 blocks and 8 micro-batches, from 2 and 3 blocks per stage and 4
-    # and 6 micro-batches.
+    # Pipelines: each stage role combined from short pipelines (fewer ranks in the pipeline,
+    # fewer micro-batches). Here 6 blocks per stage, from 2 and 3 blocks per stage.
     ("pp=2,dp=4", ["model.flavor=100M", "training.seq_len=32", "training.global_batch=32",
                    "training.micro_batches=8"]),
+    # 1F1B over 8 ranks, 16 micro-batches: every role from pipelines of 3 to 5 ranks; then 8,
+    # where the first stage runs every forward before its first backward, gathered blocks kept.
+    ("pp=8,dp=2", ["model.flavor=100M", "training.seq_len=32", "training.global_batch=32",
+                   "training.micro_batches=16"]),
+    ("pp=8,dp=2", ["model.flavor=100M", "training.seq_len=32", "training.global_batch=16",
+                   "training.micro_batches=8", "parallel.activation_checkpoint=op",
+                   "parallel.reshard_after_forward=false"]),
+    # Interleaved, 16 stages over 8 ranks, 2 rounds of 8 micro-batches, blocks resharded after
+    # each forward (the collectives of a stage's forwards and backwards then depend on their
+    # order), tp with sequence and loss parallelism, full AC. Rank 0's stages of 9 and 7
+    # blocks, from 2 and 3 blocks in each stage in turn. Two sequences a micro-batch: torch
+    # 2.11's schedule refuses a sequence-parallel stage output of one (a stride mismatch).
+    ("pp=8,dp=2,tp=2", ["model.flavor=8B", "training.seq_len=32", "training.global_batch=64",
+                        "training.micro_batches=16", "parallel.pp_schedule=Interleaved1F1B",
+                        "parallel.pp_stages_per_rank=2", "parallel.pp_split=9,1,1,1,1,1,1,1,7,1,1,1,1,1,2,2",
+                        "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
+                        "parallel.activation_checkpoint=full"]),
 ]
 
 

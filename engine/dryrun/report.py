@@ -159,16 +159,20 @@ def render_outcome(outcome) -> str:
 
 def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str:
     """The header of --plan-for (outcomes None), or its summary: the best layouts as commands."""
-    from engine.dryrun.search import HEADROOM
+    from engine.dryrun.search import HEADROOM, pipeline_sizes, plan_has_stages
     dry = cfg.dryrun
     if outcomes is None:
+        pipelines = ""
+        if plan_has_stages(cfg) and max(pipeline_sizes(cfg)) > 1:
+            pipelines = ("\nwith pp: each stage role combined from pipelines of fewer ranks over fewer "
+                         "micro-batches (at 2 and 3 blocks per stage, extrapolated, where its stages hold more)")
         return (f"plan for {cfg.model.name}/{cfg.model.flavor} on {world} x {dry.device} "
                 f"({dry.gpu_memory_gib:g} GiB each, {1 - HEADROOM:.0%} of it for tensors; {dry.gpus_per_node} per "
                 f"node), global batch {cfg.training.global_batch} x seq {cfg.training.seq_len}\n"
                 f"each layout: rank 0 simulated at two depths one block apart (with selective AC, "
                 f"parallel.checkpoint_every blocks apart), extrapolated to "
                 f"{depth}; step time analytic "
-                f"(docs/planning.md)")
+                f"(docs/planning.md){pipelines}")
     fits = [o for o in outcomes if o.estimate is not None]
     lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, {len(outcomes) - len(fits)} do not"]
     if not fits:

@@ -21,7 +21,10 @@ What is searched, and why not more:
   more than one node;
 - activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
   for each mesh and reshard setting the search stops at the first that fits, since
-  the later ones recompute or re-gather more and are never faster in the step model;
+  the later ones recompute or re-gather more and are never faster in the step model.
+  After the first, each micro-batch count is tried with full AC before the others, as
+  that needs least memory at that count: when it does not fit, the count's other layouts
+  are not simulated (first_fit);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -32,16 +35,40 @@ What is searched, and why not more:
   of them in flight whatever their number, and more of them shrink the bubble). GPipe
   is left out (it keeps every micro-batch in flight for 1F1B's bubble), and so are the
   zero-bubble schedules, which the dry run cannot simulate (simulate.refuse_split_backward).
-  Each distinct stage role is simulated at 2 and 3 blocks per stage, each with pp and
-  pp + 1 micro-batches, and extrapolated to its own blocks and the layout's micro-batches;
-  the layout's peak is the largest role's, its step the slowest role's. With pp, tp is
-  the largest the plan takes within a node (a model that needs pipeline stages needs
-  its activations split as far as a node allows), which keeps the search to minutes.
+  Each distinct stage role is combined from short pipelines (below), with its own blocks
+  or, where that would simulate more, with 2 and 3 blocks per stage and extrapolated to
+  them (observe_blocks); the layout's peak is the largest role's, its step the slowest
+  role's. With pp, tp is the largest the plan takes within a node (a model that needs
+  pipeline stages needs its activations split as far as a node allows).
+
+Short pipelines. A pipeline rank's step is its stages' forwards and backwards in the
+schedule's order (torch's own: torch_internals.schedule_actions), then the stages'
+gradient reduction and the update. What one forward or backward sends and gathers
+depends only on its stage, its kind and what that stage ran last: FSDP reshards a
+stage's blocks after each forward (reshard_after_forward), but torch's pipeline stage
+keeps them gathered after a backward and defers the reduce-scatters to the step's end,
+so a backward after a forward gathers them again and a forward after a backward does
+not. Each stage runs a forward first, a backward last and as many of each as there are
+micro-batches, so the step's collectives are linear in (1, micro-batches, forwards after
+a backward on each stage), and its peak grows with the most micro-batches in flight.
+Rank r of a shorter pipeline with fewer micro-batches, in the same role (first stage,
+last, or between), has such a vector too; the search simulates the cheapest few whose
+vectors, with the most in flight, combine exactly to the layout's rank's (short_pipelines)
+and combines their observations with the same weights: the collectives exactly, the
+peak along the same line. They keep the schedule's shape (all forwards before the first
+backward or not, and as many rounds over the rank's stages), so that the peak falls at
+the same point of it. At 405B on pp=16 with 64 micro-batches that is 3 to 20
+micro-batches per short pipeline instead of 16 and 17 in a pipeline of 16, and
+tests/test_dryrun.py checks the combination against a simulation of the real one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 from dataclasses import dataclass
+from fractions import Fraction
 
 from engine.config import with_overrides
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
@@ -54,6 +81,7 @@ AC_MODES = ("none", "op", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.10  # of GPU memory, for what is not a tensor: allocator, NCCL, CUDA context
 CP_MIN_TOKENS = 8192  # the shortest slice of a sequence a cp rank is given in the search
+SHORT_CANDIDATES = 12  # the short pipelines with fewest micro-batches whose combinations are tried
 
 
 PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))  # (schedule, stages per rank)
@@ -200,29 +228,38 @@ def reshard_options(spec: MeshSpec, gpus_per_node: int) -> list[str]:
 
 def extrapolate(one: Observation, two: Observation, first: int, period: int, depth: int) -> Observation:
     """The observation at `depth` blocks from those at `first` and `first + period`."""
-    def grow(a, b):
-        return a + round((depth - first) * (b - a) / period)
+    grown = Fraction(depth - first, period)
+    return combine([one, two], [1 - grown, grown])
 
-    def grow_comm(a: dict, b: dict) -> dict:
-        out = {}
-        for dim in b:
-            for phase in b[dim]:
-                for kind, value in b[dim][phase].items():
-                    shallow = a.get(dim, {}).get(phase, {}).get(kind, {"count": 0, "bytes": 0})
-                    out.setdefault(dim, {}).setdefault(phase, {})[kind] = {
-                        key: grow(shallow[key], value[key]) for key in ("count", "bytes")}
-        return out
 
-    # Each phase's peak grows with depth at its own rate (the forward's with the saved
-    # activations, the optimizer's with the state), so the step's peak is the largest of
-    # the extrapolated phase peaks; `at_peak` keeps the shallow runs' split, grown alike.
-    phase_peaks = {phase: grow(one.phase_peaks.get(phase, 0), two.phase_peaks[phase]) for phase in two.phase_peaks}
-    return Observation(param_bytes=grow(one.param_bytes, two.param_bytes),
-                       grad_bytes=grow(one.grad_bytes, two.grad_bytes),
-                       optimizer_bytes=grow(one.optimizer_bytes, two.optimizer_bytes),
-                       peak_bytes=max(phase_peaks.values()),
-                       at_peak={k: grow(one.at_peak[k], two.at_peak[k]) for k in two.at_peak},
-                       comm=grow_comm(one.comm, two.comm), phase_peaks=phase_peaks)
+def combine(observations: list[Observation], weights: list) -> Observation:
+    """The weighted sum of observations whose weights add up to 1: a point on the line (or
+    plane) through them, for quantities that are linear along it. Each phase's peak grows
+    at its own rate (the forward's with the saved activations, the optimizer's with the
+    state), so the step's peak is the largest of the combined phase peaks; `at_peak` keeps
+    the simulated runs' split, combined alike."""
+    def total(values) -> int:
+        return round(sum(weight * value for weight, value in zip(weights, values)))
+
+    def across(field: str) -> dict:
+        dicts = [getattr(observed, field) for observed in observations]
+        return {key: total(d.get(key, 0) for d in dicts) for key in dict.fromkeys(k for d in dicts for k in d)}
+
+    comm = {}
+    for dim, phase, kind in dict.fromkeys((dim, phase, kind) for observed in observations
+                                          for dim in observed.comm for phase in observed.comm[dim]
+                                          for kind in observed.comm[dim][phase]):
+        sized = [observed.comm.get(dim, {}).get(phase, {}).get(kind, {}) for observed in observations]
+        count = total(entry.get("count", 0) for entry in sized)
+        if count:  # a collective that the combined step does not run is left out, as a simulation leaves it
+            comm.setdefault(dim, {}).setdefault(phase, {})[kind] = {
+                "count": count, "bytes": total(entry.get("bytes", 0) for entry in sized)}
+    phase_peaks = across("phase_peaks")
+    return Observation(param_bytes=total(o.param_bytes for o in observations),
+                       grad_bytes=total(o.grad_bytes for o in observations),
+                       optimizer_bytes=total(o.optimizer_bytes for o in observations),
+                       peak_bytes=max(phase_peaks.values()), at_peak=across("at_peak"), comm=comm,
+                       phase_peaks=phase_peaks)
 
 
 def layout_config(cfg, layout: Layout):
@@ -258,49 +295,171 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
 
 def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tuple[Observation, float]]:
     """Under pipeline parallel: (the observation, the FLOPs per token) of each distinct
-    stage role at `depth` blocks, each simulated with 2 and 3 blocks per stage and
-    extrapolated to the blocks it holds in the real split."""
+    stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks)."""
     from engine.dryrun.estimate import stage_flops_per_token
-    from engine.dryrun.simulate import observe_rank_zero, pipeline_ranks
+    from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
     from parallel.pipeline import blocks_per_stage, stages_of_rank, stage_blocks
     from parallel.plan import get_plan
 
     spec, per_rank = layout.spec, layout.stages_per_rank
-    n_stages, per_stage = spec.pp * per_rank, world // spec.pp
-    # Micro-batches too are simulated at two counts, pp and pp + 1, and extrapolated: what
-    # a step sends and gathers grows by the same amount with each micro-batch, while the
-    # peak stops growing once the schedule's micro-batches in flight are all there (pp of
-    # them on 1F1B's first stage; if it still grows, the line overestimates it).
-    micro, few = layout.micro_batches, spec.pp
-    data = spec.hsdp * spec.dp
-    micro_rows = cfg.training.global_batch // data // micro
     split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split)
     plan, whole = get_plan(cfg.parallel.plan), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
     roles = []
     for pp_rank in pipeline_ranks(cfg, spec, depth):
         held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
-        blocks = sum(split[stage] for stage in held)
-
-        def at(per_stage_blocks: int, micro_batches: int) -> Observation:
-            # As many micro-batches of the layout's own size: the global batch shrinks with them.
-            uniform = with_overrides(cfg, [f"parallel.pp_split={','.join([str(per_stage_blocks)] * n_stages)}",
-                                           f"training.micro_batches={micro_batches}",
-                                           f"training.global_batch={micro_batches * micro_rows * data}"])
-            return observe_rank_zero(uniform, spec, world, per_stage_blocks * n_stages, pp_rank * per_stage)
-
-        def with_micro_batches(per_stage_blocks: int) -> Observation:
-            if micro <= few + 1:
-                return at(per_stage_blocks, micro)
-            return extrapolate(at(per_stage_blocks, few), at(per_stage_blocks, few + 1), few, 1, micro)
-
-        if depth <= 3 * n_stages:
-            observed = observe_rank_zero(cfg, spec, world, depth, pp_rank * per_stage)
-        else:
-            observed = extrapolate(with_micro_batches(2), with_micro_batches(3), 2 * per_rank, per_rank, blocks)
+        observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
         roles.append((observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)))
     return roles
+
+
+def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
+    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds (observe_role):
+    simulated with them when that simulates no more blocks than extrapolating would, else
+    extrapolated from 2 blocks in every stage and from 3 in each stage in turn. Each stage
+    grows on its own: its blocks' collectives count once per forward or backward of that
+    stage, and the stages of a rank run in different orders (with unequal stages, a line
+    through 2 and 3 blocks in every stage got 7 of rank 0's 456 all-gathers in the wrong
+    phase at 405B, Interleaved1F1B, pp=16)."""
+    points = [[2] * len(blocks)] + [[3 if i == stage else 2 for i in range(len(blocks))]
+                                    for stage in range(len(blocks))]
+    if sum(blocks) <= sum(map(sum, points)):
+        return observe_role(cfg, layout, world, pp_rank, blocks)
+    weights = [1 - sum(n - 2 for n in blocks)] + [n - 2 for n in blocks]
+    return combine([observe_role(cfg, layout, world, pp_rank, point) for point in points], weights)
+
+
+def observe_role(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
+    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds, from the short
+    pipelines whose schedules combine to its own (short_pipelines)."""
+    runs = short_pipelines(layout.schedule, layout.spec.pp, layout.stages_per_rank, layout.micro_batches, pp_rank)
+    return combine([short_pipeline(cfg, layout, world, size, rank, micro, blocks) for (size, rank, micro), _ in runs],
+                   [weight for _, weight in runs])
+
+
+def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_batches: int,
+                   blocks: list[int]) -> Observation:
+    """The step of pipeline rank `rank` in a pipeline of `size` ranks with the layout's other
+    dimensions, over `micro_batches` micro-batches of the layout's size; the stages it holds
+    have `blocks` blocks, each of the others one (they are not simulated)."""
+    from engine.dryrun.simulate import observe_rank_zero
+    from parallel.pipeline import stages_of_rank
+
+    spec, per_rank = dataclasses.replace(layout.spec, pp=size), layout.stages_per_rank
+    split = [1] * (size * per_rank)
+    for stage, count in zip(stages_of_rank(rank, size, per_rank, layout.schedule), blocks):
+        split[stage] = count
+    data = spec.hsdp * spec.dp
+    rows = cfg.training.global_batch // data // layout.micro_batches  # of each micro-batch
+    short = with_overrides(cfg, [f"parallel.mesh={spec}", f"parallel.pp_split={','.join(map(str, split))}",
+                                 f"training.micro_batches={micro_batches}",
+                                 f"training.global_batch={micro_batches * rows * data}"])
+    per_stage = world // layout.spec.pp
+    return observe_rank_zero(short, spec, size * per_stage, sum(split), rank * per_stage)
+
+
+def schedule_features(schedule: str, pp: int, per_rank: int, micro_batches: int, rank: int) -> tuple[tuple, tuple]:
+    """What rank `rank`'s step is linear in: (1, the micro-batches, for each of its stages
+    the forwards that follow a backward of that stage, the most micro-batches in flight);
+    and the shape of its schedule, which the short pipelines keep (module docstring)."""
+    from engine.dryrun.torch_internals import schedule_actions
+
+    actions = schedule_actions(schedule, pp, per_rank, micro_batches, rank)
+    last, after_backward, in_flight, most = {}, [0] * per_rank, 0, 0
+    for stage, kind in actions:
+        after_backward[stage] += kind == "F" and last.get(stage) == "B"
+        last[stage] = kind
+        in_flight += 1 if kind == "F" else -1
+        most = max(most, in_flight)
+    forwards = [stage for stage, kind in actions if kind == "F"]
+    first_backward = next(i for i, (_, kind) in enumerate(actions) if kind == "B")
+    shape = (first_backward == len(forwards), sum(a != b for a, b in zip(forwards, forwards[1:])))
+    return (1, micro_batches, *after_backward, most), shape
+
+
+@functools.lru_cache(maxsize=None)
+def short_pipelines(schedule: str, pp: int, per_rank: int, micro_batches: int,
+                    rank: int) -> tuple[tuple[tuple[int, int, int], Fraction], ...]:
+    """((pipeline size, rank, micro-batches), weight) of the cheapest short pipelines, in
+    micro-batches simulated, whose schedule features (schedule_features) combine to rank
+    `rank`'s with these weights, among the SHORT_CANDIDATES with the fewest micro-batches;
+    failing that, the layout itself. Each holds the same role, first stage, last or in
+    between; a pipeline of 2 only for one of 2, where the group of the first and last
+    stage's ranks (a tied weight's) is the pp group."""
+    from parallel.pipeline import micro_batches_needed
+
+    target, shape = schedule_features(schedule, pp, per_rank, micro_batches, rank)
+    candidates = {}  # features -> the first (fewest micro-batches) run that has them
+    for micro in range(2, micro_batches + 1):
+        if len(candidates) >= SHORT_CANDIDATES:
+            break
+        for size in range(2 if pp == 2 else 3, min(pp, micro) + 1):
+            short_rank = 0 if rank == 0 else size - 1 if rank == pp - 1 else 1
+            if micro_batches_needed(schedule, size, per_rank, micro):
+                continue
+            features, its_shape = schedule_features(schedule, size, per_rank, micro, short_rank)
+            if its_shape == shape:
+                candidates.setdefault(features, (size, short_rank, micro))
+    best = None
+    for count in range(1, len(target) + 1):
+        for chosen in itertools.combinations(candidates.items(), count):
+            cost = sum(run[2] for _, run in chosen)
+            weights = None if best and cost >= best[0] else solve([features for features, _ in chosen], target)
+            if weights is not None:
+                best = (cost, tuple(zip((run for _, run in chosen), weights)))
+    return best[1] if best else (((pp, rank, micro_batches), Fraction(1)),)  # else the layout itself
+
+
+def solve(columns: list[tuple], target: tuple) -> list[Fraction] | None:
+    """Exact weights that combine the linearly independent `columns` to `target`, or None."""
+    rows = [[Fraction(column[i]) for column in columns] + [Fraction(target[i])] for i in range(len(target))]
+    for col in range(len(columns)):
+        pivot = next((r for r in range(col, len(rows)) if rows[r][col]), None)
+        if pivot is None:
+            return None  # the columns are dependent
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r, row in enumerate(rows):
+            if r != col and row[col]:
+                factor = row[col] / rows[col][col]
+                rows[r] = [a - factor * b for a, b in zip(row, rows[col])]
+    if any(row[-1] for row in rows[len(columns):]):
+        return None  # the target is not in their span
+    return [rows[i][-1] / rows[i][i] for i in range(len(columns))]
+
+
+def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int) -> list[list[Layout]]:
+    """One mesh and reshard setting's layouts, in ladders climbed to their first fit: without
+    pp, the AC modes each with micro-batches 1, 2, 4, 8; with pp, the AC modes for each
+    schedule, every sequence its own micro-batch (module docstring)."""
+    if spec.pp == 1:
+        return [[Layout(spec, reshard, ac, micro, sequence_parallel) for ac in AC_MODES for micro in MICRO_BATCHES]]
+    return [[Layout(spec, reshard, ac, max(1, rows), sequence_parallel, schedule, per_rank) for ac in AC_MODES]
+            for schedule, per_rank in PIPELINE_SCHEDULES]
+
+
+def first_fit(ladder: list[Layout], evaluate) -> list[Outcome]:
+    """The outcomes of the ladder's layouts up to the first that fits, in order. After the
+    first, a layout is simulated only when its micro-batch count fits with full AC, which
+    needs least memory at that count: that layout is simulated first, and when it does not
+    fit (its outcome says so), the count's other layouts are left out. (Not across counts:
+    without pp, more micro-batches hold the whole model's unreduced gradients.)"""
+    outcomes, full_ac = [], {}  # micro-batches -> the outcome of its full-AC layout
+    for layout in ladder:
+        count = layout.micro_batches
+        least = next((other for other in ladder if other.micro_batches == count
+                      and other.activation_checkpoint == "full"), None)
+        if outcomes and least is not None and count not in full_ac:
+            full_ac[count] = evaluate(least)
+            if full_ac[count].estimate is None:
+                outcomes.append(full_ac[count])
+        known = full_ac.get(count)
+        if known is not None and known.estimate is None:
+            continue
+        outcomes.append(known if layout is least and known is not None else evaluate(layout))
+        if outcomes[-1].estimate is not None:
+            return outcomes
+    return outcomes
 
 
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
@@ -312,22 +471,15 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
     usable = dry.gpu_memory_gib * GIB * (1 - HEADROOM)
     outcomes = []
     sequence_parallel = offers_sequence_parallel(cfg)
+
+    def evaluate(layout: Layout) -> Outcome:
+        return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
+
     for spec in meshes(cfg, world, depth):
         rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-        # Without pp: micro-batches 1, 2, 4, 8 until one fits. With pp: a schedule each, and
-        # every sequence its own micro-batch (module docstring).
-        options = ([(micro, "1F1B", 1) for micro in MICRO_BATCHES] if spec.pp == 1 else
-                   [(max(1, rows), schedule, per_rank) for schedule, per_rank in PIPELINE_SCHEDULES])
         for reshard in reshard_options(spec, dry.gpus_per_node):
-            found = set()  # without pp one fit ends the ladder; with pp, one per schedule
-            for ac in AC_MODES:
-                for micro, schedule, per_rank in options:
-                    layout = Layout(spec, reshard, ac, micro, sequence_parallel, schedule, per_rank)
-                    if (spec.pp == 1 and found) or schedule in found or not runnable(cfg, layout, depth):
-                        continue
-                    outcome = evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
-                    if outcome.estimate is not None:
-                        found.add(schedule)
+            for ladder in ladders(spec, reshard, sequence_parallel, rows):
+                for outcome in first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate):
                     report(outcome)
                     outcomes.append(outcome)
     fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))

@@ -35,7 +35,11 @@ NEEDED_ATTRIBUTES = (("torch._C._distributed_c10d", "ProcessGroup", "unbox"),
                      ("torch._C", "_clear_DTensor_sharding_propagator_cache", "__call__"),
                      ("torch._C", "_current_graph_task_id", "__call__"),
                      ("torch.distributed.tensor._sharding_prop", "ShardingPropagator",
-                      "_propagate_tensor_meta_non_cached"))
+                      "_propagate_tensor_meta_non_cached"),
+                     # The order of a rank's forwards and backwards (schedule_actions).
+                     ("torch.distributed.pipelining.schedules", "Schedule1F1B", "_get_pipeline_order"),
+                     ("torch.distributed.pipelining.schedules", "ScheduleInterleaved1F1B",
+                      "_calculate_single_rank_operations"))
 # A pipeline schedule's warm-up (pipeline_warmup_without_messages): one of these, by version
 # (2.13 and 2.14; 2.15; 2.11).
 PIPELINE_WARMUP = (("torch.distributed.pipelining.schedules", "_PipelineSchedule", "_warmup_p2p"),
@@ -197,6 +201,26 @@ def _count_shape_propagation(tracker):
 
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
+
+
+def schedule_actions(schedule: str, pp: int, per_rank: int, micro_batches: int, rank: int) -> list[tuple[int, str]]:
+    """Pipeline rank `rank`'s forwards and backwards in one step, in order, each as (its
+    local stage, "F" or "B"), for 1F1B or Interleaved1F1B: torch's own order, from the
+    method each schedule computes it with, called on the numbers it reads, so that the
+    search knows a step's order without building its stages. (Schedule1F1B steps through
+    its own loop; _get_pipeline_order lists the same warm-up, steady and cool-down, as the
+    search's tests against full simulations confirm.)"""
+    from types import SimpleNamespace
+    if schedule == "1F1B":
+        numbers = SimpleNamespace(_num_stages=pp, _n_microbatches=micro_batches)
+        order = _load(_SCHEDULES, "Schedule1F1B")._get_pipeline_order(numbers)[rank]
+    else:
+        rounds = max(1, micro_batches // pp)  # as ScheduleInterleaved1F1B.__init__ sets them
+        numbers = SimpleNamespace(n_local_stages=per_rank, pp_group_size=pp, _n_microbatches=micro_batches,
+                                  number_of_rounds=rounds, microbatches_per_round=micro_batches // rounds)
+        order = _load(_SCHEDULES, "ScheduleInterleaved1F1B")._calculate_single_rank_operations(numbers, rank)
+    return [(action.stage_index // pp, action.computation_type.value) for action in order
+            if action is not None and action.computation_type.value in ("F", "B")]
 
 
 def pipeline_warmup_without_messages():
