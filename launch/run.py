@@ -185,9 +185,11 @@ def check_gpu_count(cfg, ranks_here: int) -> None:
         return
     import torch
     if ranks_here > torch.cuda.device_count():
+        gpus = torch.cuda.device_count()
         raise UserError(f"--mesh {cfg.parallel.mesh} needs {ranks_here} ranks and the engine runs one rank per GPU, "
-                        f"but this machine shows {torch.cuda.device_count()} CUDA device(s). Use a mesh of at most "
-                        f"{torch.cuda.device_count()} ranks here, or start it on several nodes (docs/multinode.md).")
+                        f"but this machine shows {gpus} CUDA device{'s' * (gpus != 1)}. Use a mesh of at most "
+                        f"{gpus} rank{'s' * (gpus != 1)} here, start it on several nodes (docs/multinode.md), "
+                        f"or run it on the CPU with --set parallel.device=cpu.")
 
 
 def check_parity(cfg) -> None:
@@ -220,12 +222,16 @@ def launch_under_torchrun(nproc: int, argv: list[str], device: str, max_restarts
     """Run this script on `nproc` local ranks under torchrun's agent, in this process;
     returns the ranks' exit code (launch/exits.py). On the CPU the ranks are forked from
     this process, which has imported torch and the engine already: a spawned rank spends
-    seconds of CPU on those imports, most of a small CPU run. CUDA cannot be used in a
-    process forked from one that may have touched it, so GPU ranks are spawned."""
+    seconds of CPU on those imports, most of a small CPU run. A process forked from one
+    that has touched CUDA cannot use it, and torchrun's agent asks CUDA whether a GPU is
+    there before it starts the ranks; torch's own CUDA checks inside a CPU rank (the
+    optimizer's step) then fail. So ranks are forked only on a machine that shows no GPU
+    (device_count() asks NVML, which leaves CUDA untouched), and spawned everywhere else."""
+    import torch
     # One thread per rank unless the user chose: ranks share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     sys.stdout.flush()
-    fork = device == "cpu" and sys.platform.startswith("linux")
+    fork = device == "cpu" and sys.platform.startswith("linux") and torch.cuda.device_count() == 0
     return run_agent(["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
                       str(Path(__file__).resolve()), *argv], forked_rank if fork else None)
 

@@ -56,3 +56,22 @@ def test_every_script_with_a_process_group_leaves_without_teardown():
     assert len(scripts) >= 9, scripts
     missing = [str(path.relative_to(REPO)) for path in scripts if "exit_without_teardown(" not in path.read_text()]
     assert not missing, f"these scripts leave through interpreter teardown: {missing}"
+
+
+@pytest.mark.parametrize("gpus, device, forked", [(0, "cpu", True), (1, "cpu", False), (0, "cuda", False)])
+def test_cpu_ranks_are_forked_only_where_no_gpu_shows(monkeypatch, gpus, device, forked):
+    """Unit test (no process group: run_agent is replaced). On an H200 with torch 2.11, a
+    CPU run's forked ranks failed in optimizer.step ("CUDA error: initialization error"):
+    torchrun's agent had asked CUDA for the GPUs before it forked them."""
+    import torch
+
+    from launch import run
+    seen = {}
+
+    def agent(args, rank_function):
+        seen["rank"] = rank_function
+        return 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(run, "run_agent", agent)
+    run.launch_under_torchrun(2, ["--mesh", "dp=2"], device)
+    assert (seen["rank"] is run.forked_rank) == forked
