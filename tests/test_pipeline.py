@@ -32,7 +32,8 @@ PIPELINE_ROWS = {
     "gpipe-gpt2-tied-cp": ("pp=2,cp=2", ("parallel.pp_schedule=GPipe", "training.micro_batches=2", *GPT2)),
     "interleaved-zero-bubble": ("pp=2", ("parallel.pp_schedule=InterleavedZeroBubble", "parallel.pp_stages_per_rank=2",
                                          "parallel.reshard_after_forward=false", "training.micro_batches=4")),
-    "pp4": ("pp=4", ("training.micro_batches=4",)),
+    # Tied embedding and output on the two ends: the middle stages hold no copy of the tie.
+    "pp4-tied": ("pp=4", ("training.micro_batches=4", "model.flavor=debug_tied")),
     "pp-dp-tp-sp": ("pp=2,dp=2,tp=2", ("parallel.sequence_parallel=true", "training.micro_batches=2")),
     "pp-integer-reshard": ("pp=2,dp=4", ("parallel.reshard_after_forward=2", "training.micro_batches=2")),
     "plain-model": ("pp=2", ("training.micro_batches=2", *PLAIN)),
