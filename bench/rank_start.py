@@ -1,18 +1,20 @@
-"""Start-up of a CPU run: `python launch/run.py`, whose agent forks the ranks from the
-launcher (torch and the engine imported once), against the same run under the user's
-own torchrun, which spawns each rank in a new interpreter.
+"""Start-up of a CPU run: `python launch/run.py`, whose agent has its ranks forked by a
+fork server (torch and the engine imported once more, not once per rank), against the
+same run under the user's own torchrun, which spawns each rank in a new interpreter.
 
 usage: python bench/rank_start.py [PAIRS, default 5] [launch/run.py arguments]
    e.g. .venv/bin/python bench/rank_start.py 5 --mesh dp=4,tp=2 --set training.steps=2
 
 The two commands alternate, which goes first alternating too, so a drift in the
 machine's load hits both alike. Each is timed as a whole, with the CPU time of all its
-processes (the launcher's children and theirs, from the kernel's accounting). Prints
+processes, from the kernel's accounting: this process is their subreaper, so the fork
+server, which outlives the launcher by a moment, is counted with its ranks. Prints
 the median wall and CPU seconds of each and the median of the per-pair ratios.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import statistics
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
@@ -31,6 +34,11 @@ def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
+    while True:  # the orphans this process adopted: their CPU time counts once reaped
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode:
         sys.exit(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-2000:]}")
@@ -56,7 +64,7 @@ def main(pairs: int, arguments: list[str]) -> None:
     print(f"{' '.join(arguments)} ({nproc} ranks, {pairs} pairs, OMP_NUM_THREADS=1)")
     print("| launch | wall s (median) | CPU s (median) |")
     print("|---|---|---|")
-    for name, label in (("spawned", "torchrun (spawned ranks)"), ("forked", "python launch/run.py (forked ranks)")):
+    for name, label in (("spawned", "torchrun (spawned ranks)"), ("forked", "python launch/run.py (ranks from a fork server)")):
         walls, cpus = zip(*samples[name])
         print(f"| {label} | {statistics.median(walls):.2f} | {statistics.median(cpus):.2f} |")
     pairs_of = list(zip(samples["forked"], samples["spawned"]))
@@ -66,5 +74,7 @@ def main(pairs: int, arguments: list[str]) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        sys.exit("this needs Linux: prctl(PR_SET_CHILD_SUBREAPER) failed")
     counted = len(sys.argv) > 1 and sys.argv[1].isdigit()
     main(int(sys.argv[1]) if counted else 5, sys.argv[2:] if counted else sys.argv[1:])

@@ -12,8 +12,9 @@ even when torchrun stops the other ranks (rank 0 included) before they print.
 
 `python launch/run.py` runs torchrun's agent in this process instead of exec-ing
 torchrun, so it can return the ranks' own exit code and print the paragraph once,
-from the error file, with no launcher traceback. On the CPU it forks the ranks from
-itself (launch/run.py: launch_under_torchrun).
+from the error file, with no launcher traceback. On the CPU its ranks are forked from a
+fork server that has imported torch and the engine once (launch/run.py:
+launch_under_torchrun).
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def exit_code_of(failure) -> int:
     return code if code in (EXIT_FAILED, EXIT_USER_ERROR, EXIT_NONFINITE_LOSS) else EXIT_FAILED
 
 
-def run_agent(torchrun_args: list[str], rank_function=None) -> int:
+def run_agent(torchrun_args: list[str], rank_function=None, preload: tuple[str, ...] = ()) -> int:
     """torchrun with these arguments, run in this process; returns the exit code. With
-    `rank_function`, the ranks are forked from this process and run it with the script's
-    arguments instead of starting the script in a new interpreter."""
+    `rank_function` (picklable: a module-level function), the ranks are forked from a fork
+    server that has imported the modules `preload` names, and run it with the script's
+    arguments instead of starting the script in a new interpreter each."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -90,7 +92,7 @@ def run_agent(torchrun_args: list[str], rank_function=None) -> int:
         if rank_function is None:
             run(args)
         else:
-            _launch_forked(args, rank_function)
+            _launch_from_fork_server(args, rank_function, preload)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         paragraph = _paragraph(failure)
@@ -102,9 +104,15 @@ def run_agent(torchrun_args: list[str], rank_function=None) -> int:
     return EXIT_OK
 
 
-def _launch_forked(args, rank_function) -> None:
-    """What torchrun's own `run` does for a --standalone launch, with the ranks forked to
-    run `rank_function(script arguments)`."""
+def _launch_from_fork_server(args, rank_function, preload: tuple[str, ...]) -> None:
+    """What torchrun's own `run` does for a --standalone launch, with the ranks running
+    `rank_function(script arguments)`, forked by multiprocessing's fork server: one process,
+    started once, that imports `preload` and then forks every rank. Forking them from this
+    process instead is not safe: the agent's threads (its rendezvous store's server among
+    them) may hold a lock at the moment of a fork, and the forked rank then waits for it
+    forever (seen: a rank of 8 stuck in getaddrinfo on glibc's resolver lock). The fork
+    server has one thread."""
+    import multiprocessing
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
@@ -112,25 +120,14 @@ def _launch_forked(args, rank_function) -> None:
 
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
-    config.start_method = "fork"
+    config.start_method = "forkserver"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     elastic_launch(config, rank_function)(args.training_script_args)
 
 
 def prepare_forked_rank() -> None:
-    """Make a forked rank what a spawned one is. It inherits the agent's handlers of
-    SIGTERM, SIGINT, SIGHUP and SIGQUIT, which raise an exception where a rank should stop
-    as torchrun's spawned ranks do (the agent stops the others with SIGTERM when one
-    fails: they would print tracebacks); its output is unbuffered, as torchrun's `python
-    -u` makes it; and torch's threads follow OMP_NUM_THREADS, which the OpenMP runtime
-    read when this process imported torch, before the launcher set it."""
-    import signal
-
-    import torch
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Make a rank forked by the fork server write as a spawned one does: unbuffered, as
+    torchrun's `python -u` makes it, so that its lines keep their order with the other
+    ranks' and none is lost when the agent stops it."""
     sys.stdout.reconfigure(line_buffering=True, write_through=True)
     sys.stderr.reconfigure(line_buffering=True, write_through=True)
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))

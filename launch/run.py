@@ -1,7 +1,7 @@
 """Train a model on a mesh: `python launch/run.py` or `torchrun ... launch/run.py`.
 
 Run without torchrun, it checks the config and mesh, then runs torchrun's agent in
-this process with as many ranks as the mesh needs (forked from this process on the
+this process with as many ranks as the mesh needs (forked from a fork server on the
 CPU, spawned on GPUs), and exits with the ranks' own code (launch/exits.py). Under torchrun, each rank checks again before any process
 group exists, then: mesh, model on meta, plan, materialise, loop. Bad input exits
 with code 2 and one paragraph.
@@ -220,20 +220,26 @@ def find_checkpoint(cfg):
 
 def launch_under_torchrun(nproc: int, argv: list[str], device: str, max_restarts: int = 0) -> int:
     """Run this script on `nproc` local ranks under torchrun's agent, in this process;
-    returns the ranks' exit code (launch/exits.py). On the CPU the ranks are forked from
-    this process, which has imported torch and the engine already: a spawned rank spends
-    seconds of CPU on those imports, most of a small CPU run. A process forked from one
-    that has touched CUDA cannot use it, and torchrun's agent asks CUDA whether a GPU is
-    there before it starts the ranks; torch's own CUDA checks inside a CPU rank (the
-    optimizer's step) then fail. So ranks are forked only on a machine that shows no GPU
-    (device_count() asks NVML, which leaves CUDA untouched), and spawned everywhere else."""
+    returns the ranks' exit code (launch/exits.py). On the CPU the ranks are forked from a
+    fork server that imports torch and the engine once: a spawned rank spends seconds of
+    CPU on those imports, most of a small CPU run. On a machine that shows a GPU the ranks
+    are spawned, CPU runs included: ranks forked from this process there failed in torch's
+    own CUDA checks (the optimizer's step), since torchrun's agent asks CUDA for the GPUs
+    before it starts ranks and a process forked after that cannot use CUDA; the fork
+    server, a new interpreter, would not inherit that, but it has not run on a GPU machine.
+    device_count() asks NVML, which leaves CUDA untouched."""
     import torch
     # One thread per rank unless the user chose: ranks share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     sys.stdout.flush()
     fork = device == "cpu" and sys.platform.startswith("linux") and torch.cuda.device_count() == 0
     return run_agent(["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-                      str(Path(__file__).resolve()), *argv], forked_rank if fork else None)
+                      str(Path(__file__).resolve()), *argv], forked_rank if fork else None, RANK_MODULES)
+
+
+# What a rank imports, for the fork server to import once before it forks the ranks.
+RANK_MODULES = ("launch.run", "engine.train", "engine.checkpoint.dcp", "engine.data.sources", "engine.metrics.log",
+                "launch.parity", "models", "parallel.apply", "parallel.pipeline")
 
 
 def forked_rank(argv: list[str]) -> int:

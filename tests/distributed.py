@@ -21,8 +21,9 @@ def cpu_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A worker script on `nproc` ranks under torchrun's agent, forked as a CPU run's ranks
-    are (tests/forked_torchrun.py). Tests of the user's own torchrun call it directly."""
+    """A worker script on `nproc` ranks under torchrun's agent, started as a CPU run's ranks
+    are, by a fork server (tests/forked_torchrun.py). Tests of the user's own torchrun call
+    it directly."""
     command = [sys.executable, str(REPO / "tests" / "forked_torchrun.py"), str(nproc), str(script), *args]
     return subprocess.run(command, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
 

@@ -1,5 +1,5 @@
 """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS` for the suite's worker
-scripts, with the ranks forked from this process, as `python launch/run.py` forks the
+scripts, with the ranks forked from a fork server, as `python launch/run.py` starts the
 ranks of a CPU run (launch/run.py: launch_under_torchrun): torch and the engine are
 imported once, not once per rank.
 
@@ -19,8 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.train  # noqa: E402,F401  (what every worker imports, once for all ranks)
-import launch.parity  # noqa: E402,F401
 from launch.exits import prepare_forked_rank, run_agent  # noqa: E402
 from parallel import process_group  # noqa: E402
 
@@ -37,7 +35,12 @@ def leave(code: int) -> None:
     raise Finished
 
 
-def run_script(script: str, argv: list[str]) -> int:
+# The script each rank runs: the fork server's ranks get the agent's environment.
+SCRIPT = "FORKED_TORCHRUN_SCRIPT"
+
+
+def run_script(argv: list[str]) -> int:
+    script = os.environ[SCRIPT]
     prepare_forked_rank()
     process_group.exit_without_teardown = leave  # before the script imports it
     sys.argv = [script, *argv]
@@ -51,6 +54,7 @@ def run_script(script: str, argv: list[str]) -> int:
 if __name__ == "__main__":
     nproc, script, *args = sys.argv[1:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code = run_agent(["--standalone", f"--nproc_per_node={nproc}", script, *args],
-                     lambda argv: run_script(script, argv))
+    os.environ[SCRIPT] = script
+    code = run_agent(["--standalone", f"--nproc_per_node={nproc}", script, *args], run_script,
+                     ("engine.train", "launch.parity"))
     process_group.exit_without_teardown(code)

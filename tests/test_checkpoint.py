@@ -199,19 +199,23 @@ def test_import_starts_parallel_run_from_exported_weights(reference, tmp_path):
     assert abs(losses(tmp_path)[0] - expected) <= 1e-5
 
 
-def rank_pid(parent: int, rank: int) -> int | None:
-    """The pid of local rank `rank` among `parent`'s children (torchrun's workers, which it
-    starts in rank order, and nothing else: forked ranks show the launcher's environment
-    and command line, so only their order tells them apart)."""
-    children = []
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of local rank `rank` of the CPU run that `launcher` started: the children of
+    its fork server (a child of the launcher that forks every rank, in rank order, and
+    nothing else), which show the fork server's command line, so only their order tells
+    them apart."""
+    processes = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == parent:
-            children.append((int(fields[19]), int(stat.parent.name)))  # start time, pid
-    return sorted(children)[rank][1] if len(children) > rank else None
+        processes[int(stat.parent.name)] = (int(fields[1]), int(fields[19]), command)  # parent, start, cmdline
+    servers = {pid for pid, (parent, _, command) in processes.items()
+               if parent == launcher and b"multiprocessing.forkserver" in command}
+    ranks = sorted((start, pid) for pid, (parent, start, _) in processes.items() if parent in servers)
+    return ranks[rank][1] if len(ranks) > rank else None
 
 
 @pytest.mark.distributed

@@ -68,7 +68,7 @@ def test_cpu_ranks_are_forked_only_where_no_gpu_shows(monkeypatch, gpus, device,
     from launch import run
     seen = {}
 
-    def agent(args, rank_function):
+    def agent(args, rank_function, preload):
         seen["rank"] = rank_function
         return 0
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
