@@ -121,7 +121,7 @@ def start_one_rank_group() -> None:
 
 
 def engine_config(shape: Shape, compile_blocks: bool, total_steps: int):
-    from engine.config import Config
+    from common.config import Config
     cfg = Config()
     cfg.model.flavor = shape.flavor
     cfg.parallel.mesh = "dp=1"

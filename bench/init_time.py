@@ -51,7 +51,7 @@ def whole_draws(model) -> None:
 def one_rank(flavor: str, dp: int, way: str) -> dict:
     import torch
 
-    from engine.config import load_config
+    from common.config import load_config
     from engine.dryrun.simulate import _rank_model
     from models.materialise import materialise
     from parallel.mesh import MeshSpec

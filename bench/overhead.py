@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 import parallel  # noqa: E402,F401
 from bench.handwritten import Handwritten  # noqa: E402
-from engine.config import Config  # noqa: E402
+from common.config import Config  # noqa: E402
 from engine.data.sources import CorpusSource  # noqa: E402
 from engine.metrics.log import StepLog  # noqa: E402
 from engine.train import build_optimizer, global_mean, logged_step, run_shape  # noqa: E402

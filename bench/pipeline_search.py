@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import parallel  # noqa: F401  (registers the built-in plans)
-    from engine.config import load_config
+    from common.config import load_config
     from engine.dryrun import search
     from engine.dryrun.estimate import device_profile
     from engine.metrics.throughput import flops_per_token

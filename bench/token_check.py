@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.config import load_config  # noqa: E402
+from common.config import load_config  # noqa: E402
 from engine.data.sources import TokenSource, build_source, local_batch  # noqa: E402
 from engine.metrics.log import StepLog  # noqa: E402
 from engine.train import agree_on_ids, build_optimizer, host_group, logged_step, run_shape  # noqa: E402

@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from engine.errors import UserError
+from common.errors import UserError
 
 
 def load_plugins(names: str) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from engine.data.sources import TokenSource, local_batch
 from engine.data.token_file import OutOfVocabulary
-from engine.errors import NonFiniteLoss, raise_if_any_rank
+from common.errors import NonFiniteLoss, raise_if_any_rank
 from engine.grad_norm import clip_grad_norm
 from engine.metrics.memory import LargestOverRanks
 from engine.metrics.log import RunShape, StepLog

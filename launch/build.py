@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from engine.errors import UserError
+from common.errors import UserError
 
 
 def pick_device(cfg) -> tuple[str, str]:

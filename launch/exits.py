@@ -1,7 +1,7 @@
 """How a run ends: the exit codes, the error a rank leaves for torchrun, and the
 in-process torchrun agent that `python launch/run.py` uses.
 
-Exit codes (engine/errors.py), the same for a rank and for `python launch/run.py`:
+Exit codes (common/errors.py), the same for a rank and for `python launch/run.py`:
 0 success or parity PASS; 1 parity FAIL or a crash (the rank prints its traceback);
 2 bad input (one `error:` paragraph); 3 the loss became NaN or inf.
 
@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from engine.errors import EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR
+from common.errors import EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR
 
 # Set for the ranks that our own launcher starts: the launcher prints their paragraph.
 LAUNCHED_HERE = "MESHTRAIN_LAUNCHER"

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from engine.data.token_file import DTYPES, INDEX, TokenWriter, id_outside, read_index, scan_ids  # noqa: E402
 from engine.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
-from engine.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 PIECE_CHARS = 1 << 16  # a text file is tokenized in pieces of about this many characters
 JOB_CHARS = 1 << 20  # characters of text (or JSON) per pool task

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from engine.config import load_config  # noqa: E402
-from engine.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
                            NonFiniteLoss, UserError)
 from launch.exits import leave_crash, leave_error, prepare_forked_rank, ranks_print_errors, run_agent  # noqa: E402
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
@@ -208,7 +208,7 @@ def find_checkpoint(cfg):
     way a checkpoint or an init_from file can be wrong that shows without reading its data
     surfaces here, before any process group exists."""
     from engine.checkpoint.store import resume_folder, state_dict_shapes
-    from engine.config import to_dict
+    from common.config import to_dict
     from models import build_on_meta
     init_from = cfg.checkpoint.init_from
     if init_from and not Path(init_from).is_file():
@@ -373,7 +373,7 @@ def stop_with_error(paragraph: str, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit code (engine/errors.py) of this launch, or of this rank under torchrun."""
+    """The exit code (common/errors.py) of this launch, or of this rank under torchrun."""
     argv = sys.argv[1:] if argv is None else argv
     # FSDP warns when the root returns a view (TP's replicated logits are one), in case the
     # caller modifies it in place; the loss here only reads the logits.

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from engine.errors import UserError
+from common.errors import UserError
 from models import gpt2, llama
 
 MODELS = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.errors import UserError
+from common.errors import UserError
 from models.initial_values import DISTRIBUTIONS
 
 DOCS = "docs/plans.md, section \"The model contract\""

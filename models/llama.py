@@ -74,6 +74,9 @@ FLAVORS["70B-128K"] = dataclasses.replace(FLAVORS["70B"], max_seq_len=131072, ro
 FLAVORS["8B-1M"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=1048576, rope_scaling=(128.0, 1.0, 4.0, 8192))
 # The debug model with room for long sequences: context parallelism's runs on a CPU.
 FLAVORS["debug-32K"] = dataclasses.replace(FLAVORS["debug"], max_seq_len=32768)
+# The debug model at 8 blocks: room on a CPU for looped pipelines (pp=4 with 2 stages per
+# rank) and uneven splits (parallel.pp_split).
+FLAVORS["debug-deep"] = dataclasses.replace(FLAVORS["debug"], n_layers=8)
 
 
 def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:

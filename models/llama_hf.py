@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from engine.errors import UserError
+from common.errors import UserError
 from models.llama import LlamaArgs
 
 ARCHITECTURE = "LlamaForCausalLM"

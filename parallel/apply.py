@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from engine.config import ParallelConfig
+from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
 from parallel.mesh import ParallelDims
 from parallel.pipeline import build_pipeline, join_parts, split_into_parts
@@ -128,8 +128,29 @@ def _clone_output(module, inputs, output):
     return output.clone()
 
 
+# Marks the engine's part of torch's compile cache-key tag, after any tag of the user's own.
+LAYOUT_TAG = " meshtrain-layout:"
+
+
+def key_compile_cache_on_layout(dims: ParallelDims) -> None:
+    """Key torch's compile caches on this rank's place in the mesh and on its process
+    groups' names. torch's AOT autograd cache hashes a DeviceMesh by its shape alone,
+    while the code it stores names this rank's process groups and its coordinates as
+    constants (pytorch/pytorch#188390). All ranks of a machine share the cache, so on a
+    warm one a rank loaded a graph another rank had compiled, and its all-gather named a
+    tp group this rank is not in (torch 2.13: "Could not resolve the process group
+    registered under the name 16", compiled cp x tp, every run after the first)."""
+    import torch.distributed as dist
+    names = [mesh.get_group(dim).group_name for mesh in (dims.world, dims.fsdp, dims.data)
+             for dim in range(mesh.ndim)]
+    user_tag = torch.compiler.config.cache_key_tag.split(LAYOUT_TAG)[0]
+    torch.compiler.config.cache_key_tag = (f"{user_tag}{LAYOUT_TAG}rank {dist.get_rank()} of {dist.get_world_size()}, "
+                                           f"mesh {dims.spec}, groups {','.join(names)}")
+
+
 def apply_compile(model: nn.Module, blocks: list[nn.Module], tp_paths: list[str],
-                  block_paths: list[str]) -> None:
+                  block_paths: list[str], dims: ParallelDims) -> None:
+    key_compile_cache_on_layout(dims)
     for block in blocks:
         block.compile()
     # torch 2.13: a compiled block whose input comes straight out of a TP module
@@ -194,7 +215,7 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
     if options.activation_checkpoint != "none":
         applied.checkpointed += apply_activation_checkpoint(paths, model, options)
     if options.compile:
-        apply_compile(model, blocks, list(tp_styles), paths)
+        apply_compile(model, blocks, list(tp_styles), paths, dims)
         applied.compiled += paths
     apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh)
     if prefetch is not None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.mesh import MeshSpec, ParallelDims
 from parallel.plan import Plan, expand
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from engine.errors import UserError
+from common.errors import UserError
 
 _FSDP = "torch.distributed.fsdp._fully_shard"
 NEEDED = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.errors import UserError
+from common.errors import UserError
 
 DIM_ORDER = ("pp", "hsdp", "dp", "cp", "tp")
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")

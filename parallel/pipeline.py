@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.plan import Plan, Stages, expand
 
 SCHEDULES = {

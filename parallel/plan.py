@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from engine.errors import UserError
+from common.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.plan import Plan, expand, is_stage_part
 
 

@@ -20,7 +20,7 @@ import os
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.fsdp_internals import check_supported
 from parallel.mesh import MeshSpec, ParallelDims
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.plan import Plan, expand, path_matches
 
 

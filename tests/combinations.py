@@ -8,11 +8,14 @@ deterministic: each new row is the best of several candidates, each started from
 not yet covered, with every other setting given the value that covers the most new
 pairs.
 
-usage: python -m tests.combinations      (prints the rows as launch/run.py arguments)
+usage: python -m tests.combinations              (prints the rows as launch/run.py arguments)
+       python -m tests.combinations --orders N   (the rows each of the first N pair orders gives)
 """
 
 from __future__ import annotations
 
+import math
+import random
 from itertools import combinations
 
 FACTORS: dict[str, tuple] = {
@@ -35,6 +38,13 @@ FACTORS: dict[str, tuple] = {
     "prefetch_backward": (0, 1, 2),
     "optimizer": ("adamw", "sgd"),
     "evaluation": (False, True),
+    # The starting weights: drawn from the seed, or imported from a Hugging Face Llama
+    # folder (checkpoint.hf_import) with its own lm_head or tied to the embedding, whose
+    # step-0 loss is also checked against transformers' (tests/test_combinations.py).
+    "weights": ("seed", "hf", "hf-tied"),
+    # Blocks per pipeline stage: the even split, or parallel.pp_split with the first stage
+    # heavier (UNEVEN_SPLITS).
+    "pp_split": ("even", "uneven"),
 }
 
 # Sizes per mesh kind, at 4 ranks where the kind allows. An integer reshard needs a
@@ -58,14 +68,27 @@ CP_MESHES = {
 PIPELINE_MESHES = {"dp": "pp=2,dp=2", "hsdp": "pp=2,hsdp=2", "dp-tp": "pp=2,tp=2"}
 PIPELINE_CP_MESHES = {"dp": "pp=2,cp=2"}
 LAYERS, PIPELINE_LAYERS, STEPS = 2, 4, 3  # 4 blocks: 2 stages per rank at pp=2 need 4 stages
+# parallel.pp_split of the uneven rows and their blocks, by stages per rank: the even
+# splits would be 2,2 and 2,3,2,1 (parallel/pipeline.py: even_split). Two stages per rank
+# take 8 blocks, debug-deep's depth, which the dry run of a row also builds.
+UNEVEN_SPLITS = {1: ("3,1", 4), 2: ("5,1,1,1", 8)}
+DEBUG_LAYERS = 4  # the debug flavor's blocks; deeper rows with seeded weights take debug-deep
 ZERO_BUBBLE = ("ZBVZeroBubble",)
 
 
 def allowed(row: dict) -> bool:
     """Sequence and loss parallel act on the tp dimension only. For time alone, compile
-    meets an integer reshard only on dp, where that layout keeps 4 ranks (compiling on
-    8 ranks costs about a minute on 2 cores, on 16 about three): every pair, that one
-    included, is still covered.
+    runs on 4 ranks only (compiling on 8 ranks costs about a minute on 2 cores, on 16
+    about three): it meets an integer reshard only on dp, where that layout keeps 4 ranks,
+    and never hsdp x dp x tp, whose rows take 8. tests/test_compile_ac_tp.py compiles
+    tp with activation checkpointing on its own.
+
+    Imported Hugging Face weights run in fp32 only: on the CPU torch sums a bf16
+    embedding's gradient in bf16, one token row after another (tests/test_parity.py:
+    test_torch_sums_a_bf16_embedding_gradient_in_bf16_on_the_cpu), and an imported
+    Llama's embedding gradient (std 0.02, which RMSNorm scales up) then missed the bf16
+    gradient tolerance on every layout, the one-device reference as much as the mesh
+    (9.8e-3 against a limit of 3.1e-3 at pp=2,tp=2). CUDA sums it in fp32.
 
     Pipeline rows keep to 4 ranks, so they leave out hsdp x dp x tp and an integer reshard
     (which needs dp=4), and with context parallel every mesh kind but dp (pp=2,cp=2):
@@ -77,11 +100,15 @@ def allowed(row: dict) -> bool:
     if "tp" not in row.get("mesh", "tp") and (row.get("sequence_parallel") or row.get("loss_parallel")):
         return False
     more_ranks = row.get("reshard_after_forward") == "2" and row.get("mesh", "dp") != "dp"
-    if more_ranks and row.get("compile"):
+    if row.get("compile") and (more_ranks or row.get("mesh") == "hsdp-dp-tp"):
         return False
-    pipeline = row.get("pipeline", "off")
+    if row.get("weights", "seed") != "seed" and row.get("param_dtype") == "bfloat16":
+        return False
+    # An uneven split needs a pipeline: a row that names no schedule yet is held to what
+    # every schedule needs.
+    pipeline = row.get("pipeline", "any" if row.get("pp_split") == "uneven" else "off")
     if pipeline == "off":
-        return True
+        return row.get("pp_split", "even") == "even"
     if row.get("mesh") == "hsdp-dp-tp" or row.get("reshard_after_forward") == "2":
         return False
     if row.get("context_parallel") and row.get("mesh", "dp") != "dp":
@@ -113,10 +140,13 @@ def _complete(seed: dict, uncovered: set) -> dict:
     return {name: row[name] for name in FACTORS}
 
 
-def generate(candidates: int = 40) -> list[dict]:
+def generate(candidates: int = 40, order: int = 0) -> list[dict]:
     """Each new row is the best of `candidates` completions, one seeded by each of the
-    first uncovered pairs, until every pair is covered."""
+    first uncovered pairs, until every pair is covered. `order` > 0 shuffles the pairs
+    first (random.Random(order)), which changes which of equally good rows is taken."""
     pending = all_pairs()
+    if order:
+        random.Random(order).shuffle(pending)
     rows: list[dict] = []
     while pending:
         uncovered = set(pending)
@@ -134,29 +164,75 @@ def mesh_of(row: dict) -> str:
     return (CP_MESHES if row["context_parallel"] else MESHES)[row["mesh"]][row["reshard_after_forward"] == "2"]
 
 
+def stages_per_rank(row: dict) -> int:
+    return 1 if row["pipeline"] == "1F1B" else 2
+
+
 def layers_of(row: dict) -> int:
-    return LAYERS if row["pipeline"] == "off" else PIPELINE_LAYERS
+    if row["pipeline"] == "off":
+        return LAYERS
+    return UNEVEN_SPLITS[stages_per_rank(row)][1] if row["pp_split"] == "uneven" else PIPELINE_LAYERS
 
 
-def overrides(row: dict) -> tuple[str, ...]:
-    """The row as `--set` values for `launch/run.py --parity`."""
+def hf_folder(root, row: dict):
+    """The Hugging Face folder a row with imported weights starts from, under `root`:
+    a LlamaForCausalLM of the debug flavor's shapes, with its own lm_head or tied, and
+    Llama 3.1's rope scaling, at the row's depth, written by transformers once."""
+    from pathlib import Path
+    folder = Path(root) / f"{row['weights']}-{layers_of(row)}"
+    if not (folder / "config.json").is_file():
+        import torch
+        import transformers
+        torch.manual_seed(layers_of(row))
+        config = transformers.LlamaConfig(
+            hidden_size=256, num_hidden_layers=layers_of(row), num_attention_heads=8, num_key_value_heads=4,
+            intermediate_size=768, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=row["weights"] == "hf-tied",
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64})
+        transformers.LlamaForCausalLM(config).float().save_pretrained(folder)
+    return folder
+
+
+def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
+    """The row as `--set` values for `launch/run.py --parity`; a row with imported weights
+    reads them from its folder under `hf_root` (hf_folder)."""
     lower = {True: "true", False: "false"}
     parallel = ("sequence_parallel", "loss_parallel", "activation_checkpoint", "compile",
                 "reshard_after_forward", "param_dtype", "offload")
     pipeline = row["pipeline"]
-    stages = (f"parallel.pp_schedule={pipeline}", f"parallel.pp_stages_per_rank={1 if pipeline == '1F1B' else 2}")
+    stages = (f"parallel.pp_schedule={pipeline}", f"parallel.pp_stages_per_rank={stages_per_rank(row)}",
+              *((f"parallel.pp_split={UNEVEN_SPLITS[stages_per_rank(row)][0]}",) if row["pp_split"] == "uneven" else ()))
     return (*(f"parallel.{key}={lower.get(row[key], row[key])}" for key in parallel),
             *(stages if pipeline != "off" else ()),
             f"training.micro_batches={row['micro_batches']}",
             f"prefetch.forward={row['prefetch_forward']}", f"prefetch.backward={row['prefetch_backward']}",
             f"optim.name={row['optimizer']}", f"parity.layers={layers_of(row)}",
-            *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()))
+            *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()),
+            *((f"checkpoint.hf_import={hf_folder(hf_root, row)}",) if row["weights"] != "seed" else
+              ("model.flavor=debug-deep",) if layers_of(row) > DEBUG_LAYERS else ()))
 
 
-ROWS = generate()
+# The pair order whose rows cost least to run, of orders 0 to 39: 22 rows, 5 of them
+# compiled and 6 above 4 ranks (order 0: 24 rows). Rows above 4 ranks and compiled rows
+# cost the most on 2 cores; `python -m tests.combinations --orders 40` prints each
+# order's rows, compiled rows and ranks in all.
+ROW_ORDER = 34
+ROWS = generate(order=ROW_ORDER)
+
+
+def _ranks(row: dict) -> int:
+    return math.prod(int(item.split("=")[1]) for item in mesh_of(row).split(","))
 
 
 if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["--orders"]:
+        for order in range(int(sys.argv[2])):
+            rows = generate(order=order)
+            print(f"order {order}: {len(rows)} rows, {sum(r['compile'] for r in rows)} compiled, "
+                  f"{sum(_ranks(r) for r in rows)} ranks in all", flush=True)
+        sys.exit()
     for index, row in enumerate(ROWS):
-        args = " ".join(f"--set {o}" for o in overrides(row))
+        args = " ".join(f"--set {o}" for o in overrides(row, "HF_ROOT"))
         print(f"row {index}: launch/run.py --parity --mesh {mesh_of(row)} --set parity.steps={STEPS} {args}")

@@ -20,12 +20,14 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A worker script on `nproc` ranks under torchrun's agent, started as a CPU run's ranks
     are, by a fork server (tests/forked_torchrun.py). Tests of the user's own torchrun call
-    it directly."""
+    it directly. `env`: variables to add."""
     command = [sys.executable, str(REPO / "tests" / "forked_torchrun.py"), str(nproc), str(script), *args]
-    return subprocess.run(command, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=REPO, env=cpu_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -92,17 +94,21 @@ def parity_report(tmp_root: Path, mesh: str, *overrides: str, steps: int = 3) ->
     return _REPORTS[key]
 
 
-def run_together(tmp_root: Path, cases: list[tuple[str, tuple, int]]) -> None:
+def run_together(tmp_root: Path, cases: list[tuple[str, tuple, int]], env: dict[str, str] | None = None,
+                 reports: dict | None = None) -> list[str]:
     """Run the parity cases (mesh, overrides, steps) not run yet, one torchrun job per
-    world size (tests/shared_parity_worker.py), and keep their reports for parity_report.
-    This only saves start-ups: a case the job did not finish (it crashed, hung or printed
-    a traceback) is left to parity_report, which runs it alone, as a user would, and
-    shows its own output."""
+    world size (tests/shared_parity_worker.py), and keep their reports for parity_report
+    (or in `reports`). This only saves start-ups: a case the job did not finish (it
+    crashed, hung or printed a traceback) is left to parity_report, which runs it alone, as
+    a user would, and shows its own output. `env`: variables to add to the jobs'. Returns
+    the stderr of each job that did not finish cleanly."""
     import json
 
     from parallel.mesh import parse_mesh
 
-    pending = list(dict.fromkeys(case for case in cases if (case[0], case[2], case[1]) not in _REPORTS))
+    reports = _REPORTS if reports is None else reports
+    failures = []
+    pending = list(dict.fromkeys(case for case in cases if (case[0], case[2], case[1]) not in reports))
     for world in sorted({parse_mesh(mesh).world_size for mesh, _, _ in pending}):
         batch = []
         for mesh, overrides, steps in pending:
@@ -114,13 +120,17 @@ def run_together(tmp_root: Path, cases: list[tuple[str, tuple, int]]) -> None:
         cases_file.write_text(json.dumps([{"argv": c["argv"], "done": str(c["done"])} for c in batch]))
         try:
             result = torchrun(world, REPO / "tests" / "shared_parity_worker.py", str(cases_file),
-                              timeout=120 + 240 * len(batch))
+                              timeout=120 + 240 * len(batch), env=env)
             clean = "Traceback" not in own_output(result.stderr)
-        except subprocess.TimeoutExpired:
-            clean = False
+            stderr = result.stderr
+        except subprocess.TimeoutExpired as timeout:
+            clean, stderr = False, f"timed out after {timeout.timeout} s"
+        if not clean:
+            failures.append(stderr)
         for case in batch:
             if clean and case["done"].exists() and case["out"].exists():
-                _REPORTS[case["key"]] = json.loads(case["out"].read_text()), int(case["done"].read_text())
+                reports[case["key"]] = json.loads(case["out"].read_text()), int(case["done"].read_text())
+    return failures
 
 
 def selected(session, module: str, param: str) -> list:

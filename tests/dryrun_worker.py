@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import parallel  # noqa: E402,F401  (registers the built-in plans)
-from engine.config import load_config  # noqa: E402
+from common.config import load_config  # noqa: E402
 from parallel.mesh import parse_mesh  # noqa: E402
 from parallel.process_group import exit_without_teardown  # noqa: E402
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import examples.gpt2_plan  # noqa: E402,F401  (registers the gpt2 plan)
 import parallel  # noqa: E402,F401
-from engine.config import load_config  # noqa: E402
+from common.config import load_config  # noqa: E402
 from launch.build import sharded_model, single_device_model  # noqa: E402
 from models import llama, register_model  # noqa: E402
 from models.initial_values import Constant  # noqa: E402

@@ -22,7 +22,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # noqa: E402
 
 import engine.metrics.memory  # noqa: E402
 import parallel  # noqa: E402,F401
-from engine.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
+from common.config import Config, ParallelConfig, PrefetchConfig  # noqa: E402
 from engine.data.sources import CorpusSource, local_batch  # noqa: E402
 from engine.grad_norm import clip_grad_norm, grad_norm  # noqa: E402
 from engine.parity.compare import digest, full, max_abs_diff  # noqa: E402

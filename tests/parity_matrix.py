@@ -56,7 +56,7 @@ def main(chosen: list[str]) -> None:
     for index, row in enumerate(ROWS):
         if chosen and str(index) not in chosen:
             continue
-        report, seconds = timed(root, mesh_of(row), *overrides(row))
+        report, seconds = timed(root, mesh_of(row), *overrides(row, root))
         total += seconds
         settings = " ".join(f"{k}={row[k]}" for k in FACTORS if k != "mesh" and row[k] != DEFAULTS[k])
         print(line(str(index), mesh_of(row), settings, report, seconds), flush=True)

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from engine.checkpoint.store import COMPLETE, META, step_name
-from engine.config import load_config
+from common.config import load_config
 from engine.data.sources import CorpusSource, local_batch
 from engine.train import loss_fn
 from models import build_on_meta

@@ -200,7 +200,7 @@ def test_crafted_metadata_in_the_newest_checkpoint_runs_nothing(uninterrupted, t
 
 
 def test_a_problem_one_rank_sees_is_raised_on_every_rank(one_rank_group):
-    from engine.errors import raise_if_any_rank
+    from common.errors import raise_if_any_rank
     raise_if_any_rank(None, None)  # nobody has one: nothing happens
     with pytest.raises(Unreadable, match="rank 0 saw it"):
         raise_if_any_rank("rank 0 saw it", None, Unreadable)

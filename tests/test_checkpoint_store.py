@@ -4,8 +4,8 @@ import pytest
 
 from engine.checkpoint import store
 from engine.checkpoint.reader import Unreadable
-from engine.config import CheckpointConfig
-from engine.errors import UserError
+from common.config import CheckpointConfig
+from common.errors import UserError
 
 
 def fake_meta(step: int) -> dict:

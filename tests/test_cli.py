@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from engine.errors import UserError
+from common.errors import UserError
 from launch.run import check, parse_args
 from tests.distributed import cpu_env, launcher
 

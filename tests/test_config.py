@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.config import load_config
-from engine.errors import UserError
+from common.config import load_config
+from common.errors import UserError
 from launch.run import DEFAULT_CONFIG
 
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.config import Config
-from engine.errors import UserError
+from common.config import Config
+from common.errors import UserError
 from launch.run import check, parse_args
 from tests.distributed import launcher
 

@@ -69,9 +69,9 @@ def test_synthetic_eval_is_another_stream_of_the_same_walk():
 def test_build_source_takes_the_config_and_a_split():
     import pytest
 
-    from engine.config import load_config
+    from common.config import load_config
     from engine.data.sources import build_source
-    from engine.errors import UserError
+    from common.errors import UserError
 
     cfg = load_config(None, [f"data.path={REPO / 'data' / 'corpus.txt'}", "training.global_batch=4",
                              "training.seq_len=16"])

@@ -123,7 +123,7 @@ def test_70b_state_bytes_match_the_analytic_shard():
     from engine.dryrun.simulate import _rank_model
     from engine.train import build_optimizer
     from launch.run import DEFAULT_CONFIG
-    from engine.config import load_config
+    from common.config import load_config
 
     cfg = load_config(DEFAULT_CONFIG, ["model.flavor=70B", "parallel.reshard_after_forward=8"])
     spec = parse_mesh("hsdp=16,dp=8,tp=8").resolve(1024)
@@ -179,11 +179,12 @@ def combination_reports(tmp_path_factory):
     from tests.combinations import ROWS, mesh_of, overrides
 
     out = tmp_path_factory.mktemp("dryrun-rows")
+    hf_root = tmp_path_factory.mktemp("dryrun-hf-folders")
 
     def run(index):
         report = out / f"row-{index}.json"
         result = launcher("--dry-run", "--mesh", mesh_of(ROWS[index]), "--set", f"dryrun.report={report}",
-                          *(arg for value in overrides(ROWS[index]) for arg in ("--set", value)))
+                          *(arg for value in overrides(ROWS[index], hf_root) for arg in ("--set", value)))
         return result, json.loads(report.read_text()) if report.exists() else None
 
     with ThreadPoolExecutor(2) as pool:
@@ -347,7 +348,7 @@ def test_the_torch_internals_the_dry_run_uses_are_checked_up_front(monkeypatch, 
     """This torch has every private name the dry run (and its measured side) uses; one it
     lacked would be named before anything runs."""
     from engine.dryrun import torch_internals
-    from engine.errors import UserError
+    from common.errors import UserError
 
     torch_internals.check_supported(measuring)
     table = "MEASURING" if measuring else "NEEDED"

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel import fsdp_internals
 
 

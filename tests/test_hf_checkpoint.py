@@ -20,7 +20,7 @@ import torch
 
 from engine.checkpoint.hf import (CONFIG, INDEX, SINGLE, check_hf_checkpoint, load_hf, read_hf_config,
                                   register_hf_flavor, tensor_index, write_hf_folder)
-from engine.errors import UserError
+from common.errors import UserError
 from models import build_on_meta
 from models.llama import FLAVORS, Llama, LlamaArgs, rope_frequencies
 from models.llama_hf import args_from_hf_config, hf_config_from_args, hf_name, our_name

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from engine.errors import UserError
+from common.errors import UserError
 from models import initial_values
 from models.contract import check_model_contract
 from models.initial_values import Constant, Normal, draw_block, matrix_shape, parameter_key

@@ -13,9 +13,9 @@ import torch
 
 from engine.parity import trajectory
 from engine.parity.compare import tolerance_for
-from engine.config import load_config
+from common.config import load_config
 from engine.data.sources import CorpusSource, local_batch
-from engine.errors import UserError
+from common.errors import UserError
 from engine.parity.localize import RankPiece, expected_pieces, localize
 from engine.parity.reference import Reference
 from launch.build import single_device_model

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.mesh import DIM_ORDER, MeshSpec, format_mesh, parse_mesh
 
 sizes = st.integers(min_value=1, max_value=64)

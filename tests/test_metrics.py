@@ -8,8 +8,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from engine.config import load_config
-from engine.errors import UserError
+from common.config import load_config
+from common.errors import UserError
 from engine.metrics.throughput import flops_per_token, peak_flops_for
 from launch.run import DEFAULT_CONFIG
 from models import build_on_meta

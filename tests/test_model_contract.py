@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.errors import UserError
+from common.errors import UserError
 from models import build_on_meta
 from models.contract import MEMBERS, check_model_contract, vocab_size
 from models.materialise import materialise, parameter_seed

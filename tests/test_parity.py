@@ -105,3 +105,24 @@ def test_planted_context_parallel_bug_is_localized(reports):
     assert (code, report["verdict"]) == (1, "FAIL")
     first = report["localizer"]["first"]
     assert (first["module"], first["what"]) == ("wpe", "output"), report["localizer"]
+
+
+
+def test_torch_sums_a_bf16_embedding_gradient_in_bf16_on_the_cpu():
+    """Why the combination matrix leaves out Hugging Face weights in bf16
+    (tests/combinations.py: allowed): 1,024 rows of one token, whose gradients sum to
+    about 0.76, come out of torch's CPU embedding backward far more than one bf16 rounding
+    off, since it adds each row into a bf16 sum. When this fails, torch sums in fp32 on
+    the CPU as on CUDA, and the pair can join the matrix. One process, no process group."""
+    import torch
+
+    torch.manual_seed(0)
+    tokens = torch.zeros(1024, dtype=torch.long)
+    grad = (torch.randn(1024, 8) * 0.01 + 3e-4).bfloat16()
+    exact = grad.double().sum(0)
+    one_rounding = (exact.bfloat16().double() - exact).abs().max().item()
+    embedding = torch.nn.Embedding(4, 8).bfloat16()
+    embedding(tokens).backward(grad)
+    drift = (embedding.weight.grad[0].double() - exact).abs().max().item()
+    print(f"sum {exact.abs().max().item():.3f}: bf16 backward off by {drift:.4f}, one rounding {one_rounding:.4f}")
+    assert drift > 10 * one_rounding

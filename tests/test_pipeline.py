@@ -15,7 +15,7 @@ import fnmatch
 
 import pytest
 
-from engine.errors import UserError
+from common.errors import UserError
 from launch.run import check, parse_args
 from parallel.mesh import parse_mesh
 from parallel.pipeline import blocks_per_stage, even_split, stages_of_rank
@@ -231,3 +231,81 @@ def test_pipeline_export_gathers_every_stage(pipeline_checkpoint, tmp_path):
     hf = load_file(str(pipeline_checkpoint / "hf" / "model.safetensors"))
     assert {hf_name(key) for key in exported} == set(hf)
     assert all(torch.equal(hf[hf_name(key)], value) for key, value in exported.items())
+
+
+# -- where the stage split meets a state dict: tied weights, an uneven split --------------
+# debug_tied at pp=2 with the first stage holding 3 of the 4 blocks and the embedding, the
+# last one block, the final norm and its copy of the tied output. The same 3 steps,
+# checkpoints and exports as above; then every way weights come back in: a resume on the
+# same layout (bitwise) and on others (1e-5), the single file through checkpoint.init_from
+# and the Hugging Face folder through checkpoint.hf_import at pp=2,tp=2. A tied Hugging Face
+# import under pp stopped every rank at start ("Unexpected key(s) in state_dict:
+# output.weight") until engine/checkpoint/hf.py loaded only the keys a stage holds.
+
+TIED_UNEVEN = ("model.flavor=debug_tied", "parallel.pp_split=3,1")
+
+
+def _sets(values) -> list[str]:
+    return [arg for value in values for arg in ("--set", value)]
+
+
+@pytest.fixture(scope="module")
+def tied_uneven_checkpoint(tmp_path_factory):
+    run = tmp_path_factory.mktemp("pp-tied-uneven")
+    result = launcher("--mesh", "pp=2", *CHECKPOINT_RUN, *_sets(TIED_UNEVEN), "--set", f"run.dir={run}",
+                      "--set", f"checkpoint.export={run / 'final.pt'}", "--set", f"checkpoint.hf_export={run / 'hf'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh, extra", [("pp=2", TIED_UNEVEN), ("pp=4", ("model.flavor=debug_tied",)),
+                                         ("dp=2,tp=2", ("model.flavor=debug_tied",))])
+def test_tied_uneven_checkpoint_reshards(tied_uneven_checkpoint, tmp_path, mesh, extra):
+    from tests.test_checkpoint import checkpoint
+    from tests.test_cli import losses
+
+    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(tied_uneven_checkpoint, 2)),
+                      "--set", "training.steps=3", "--set", f"training.micro_batches={parse_mesh(mesh).pp}",
+                      "--set", f"run.dir={tmp_path}", *_sets(extra))
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    ours, expected = losses(tmp_path)[0], losses(tied_uneven_checkpoint)[2]
+    print(f"pp=2 (3,1) -> {mesh}: first loss after loading {ours!r}, the run's own {expected!r}")
+    if mesh == "pp=2":
+        assert ours == expected
+    assert abs(ours - expected) <= 1e-5
+
+
+
+@pytest.mark.distributed
+def test_tied_uneven_exports_hold_every_stage_and_come_back_in(tied_uneven_checkpoint, tmp_path):
+    """Both exports hold the last checkpoint's weights bitwise, the Hugging Face folder with
+    no lm_head (tied). Read back at pp=2,tp=2, the single file (init_from) and the folder
+    (hf_import) start the same first step bitwise, and with lr=0 the folder exported again
+    is bitwise the folder read."""
+    import torch
+    from safetensors.torch import load_file
+
+    from models.llama_hf import hf_name
+    from tests.test_checkpoint import assert_bitwise_equal, checkpoint, full_checkpoint
+    from tests.test_cli import losses
+
+    run = tied_uneven_checkpoint
+    exported = torch.load(run / "final.pt", weights_only=True)
+    assert_bitwise_equal(exported, full_checkpoint(checkpoint(run, 3), tmp_path)["model"])
+    hf = load_file(str(run / "hf" / "model.safetensors"))
+    assert set(hf) == {hf_name(key) for key in exported if key != "output.weight"}
+    assert all(torch.equal(hf[hf_name(key)], value) for key, value in exported.items() if key != "output.weight")
+    assert torch.equal(exported["output.weight"], exported["tok_embeddings.weight"])
+
+    common = ("--mesh", "pp=2,tp=2", "--set", "training.steps=1", "--set", "training.micro_batches=2",
+              "--set", "optim.lr=0")
+    from_file = launcher(*common, "--set", "model.flavor=debug_tied", "--set", f"checkpoint.init_from={run / 'final.pt'}",
+                         "--set", f"run.dir={tmp_path / 'init'}")
+    assert from_file.returncode == 0, from_file.stderr[-3000:]
+    from_folder = launcher(*common, "--set", f"checkpoint.hf_import={run / 'hf'}",
+                           "--set", f"checkpoint.hf_export={tmp_path / 'hf2'}", "--set", f"run.dir={tmp_path / 'hf'}")
+    assert from_folder.returncode == 0, from_folder.stderr[-3000:]
+    assert losses(tmp_path / "init") == losses(tmp_path / "hf")
+    again = load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert set(again) == set(hf) and all(torch.equal(again[key], hf[key]) for key in hf)

@@ -4,8 +4,8 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import parallel  # noqa: F401
-from engine.config import ParallelConfig
-from engine.errors import UserError
+from common.config import ParallelConfig
+from common.errors import UserError
 from models import build_on_meta
 from parallel.apply import tensor_parallel_styles
 from parallel.mesh import parse_mesh

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import load_config
+from common.config import load_config
 from engine.data.sampling import Mixture, parse_weights, permute, quotas
 from engine.data.sources import TokenSource, build_source, check_data, local_batch
 from engine.data.token_file import FORMAT, VERSION, TokenFile, TokenWriter
-from engine.errors import UserError
+from common.errors import UserError
 from tests.distributed import cpu_env, launcher
 
 SEQ = 8

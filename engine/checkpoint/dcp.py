@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from engine.checkpoint import reader, store
 from engine.checkpoint.export import export_full, import_full
 from engine.checkpoint.reader import Unreadable, root_cause
-from engine.config import to_dict
-from engine.errors import UserError, raise_if_any_rank
+from common.config import to_dict
+from common.errors import UserError, raise_if_any_rank
 from parallel.pipeline import sync_tied_weights, whole_model
 
 

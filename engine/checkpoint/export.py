@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict)
 
 from engine.checkpoint.store import check_keys, state_dict_shapes
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.pipeline import sync_tied_weights, whole_model
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.store import check_keys, state_dict_shapes
-from engine.errors import UserError
+from common.errors import UserError
 from models.llama import Llama
 from models.llama_hf import args_from_hf_config, hf_config_from_args, hf_name, our_name
 from parallel.pipeline import whole_model
@@ -213,8 +213,10 @@ def load_hf(model, folder: str | Path) -> None:
                if not (args.tie_embeddings and key == "output.weight")}
     if any(isinstance(value, DTensor) for value in targets.values()):
         _load_distributed(targets, folder)
-        if args.tie_embeddings and "tok_embeddings.weight" in state:
-            # A pipeline stage without the embedding gets the first stage's (sync_tied_weights).
+        if args.tie_embeddings and "tok_embeddings.weight" in state and "output.weight" in state:
+            # Both ends on this rank (no pp, or a V-shaped schedule's rank 0). A pipeline stage
+            # that holds only one end has only that key, and the other end's copy comes from the
+            # first stage afterwards (sync_tied_weights).
             state["output.weight"] = state["tok_embeddings.weight"]
         set_model_state_dict(model, state)
     else:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata, _MEM_FORMAT_ENCODING)
 
-from engine.errors import UserError
+from common.errors import UserError
 
 METADATA = ".metadata"
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.checkpoint.reader import Unreadable, check_readable
-from engine.errors import UserError
+from common.errors import UserError
 
 FOLDER = "checkpoints"
 LATEST = "latest"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from engine.errors import UserError
+from common.errors import UserError
 
 MASK64 = (1 << 64) - 1
 ROUNDS = 6

@@ -32,7 +32,7 @@ import torch
 
 from engine.data.sampling import MASK64, Mixture, derive_key, mix64, parse_weights, permute
 from engine.data.token_file import INDEX, TokenFile, id_outside, read_index
-from engine.errors import UserError
+from common.errors import UserError
 
 BYTE_VOCAB = 256
 REPO = Path(__file__).resolve().parents[2]

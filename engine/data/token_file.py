@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import UserError
+from common.errors import UserError
 
 FORMAT = "meshtrain-tokens"
 VERSION = 1

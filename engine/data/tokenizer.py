@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import UserError
+from common.errors import UserError
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0  # NUL: the byte tokenizer's end-of-document token

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import UserError
+from common.errors import UserError
 
 # Published dense bf16 peak (no sparsity) and per-GPU bandwidths: NVLink per direction
 # inside a node, the GPU's own InfiniBand NIC between nodes.

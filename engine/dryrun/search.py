@@ -70,10 +70,10 @@ import itertools
 from dataclasses import dataclass
 from fractions import Fraction
 
-from engine.config import with_overrides
+from common.config import with_overrides
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
 from engine.dryrun.observe import Observation
-from engine.errors import UserError
+from common.errors import UserError
 from parallel.mesh import MeshSpec
 
 GIB = 1024 ** 3

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.dryrun import torch_internals
-from engine.errors import UserError
+from common.errors import UserError
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
 from engine.dryrun.observe import Observation, create_optimizer_state, observe_step
 from engine.dryrun.record import optimizer_bytes, param_bytes

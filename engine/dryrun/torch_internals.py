@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from engine.errors import UserError
+from common.errors import UserError
 
 NEEDED = (
     ("torch.testing._internal.distributed.fake_pg", "FakeStore"),  # registers the "fake" backend

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.parity.compare import Tolerance, check_row, relative_diff
-from engine.errors import UserError
+from common.errors import UserError
 
 FORMAT = "meshtrain-parity-trajectory/1"
 HEAD = 8  # gradient values kept per parameter

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.errors import UserError
+from common.errors import UserError
 
 
 @dataclass
