@@ -240,14 +240,14 @@ EXTRAPOLATED = [  # ranks of the fake process group, as many as each mesh names
     ("pp=8,dp=2", ["model.flavor=100M", "training.seq_len=32", "training.global_batch=16",
                    "training.micro_batches=8", "parallel.activation_checkpoint=op",
                    "parallel.reshard_after_forward=false"]),
-    # Interleaved, 16 stages over 8 ranks, 2 rounds of 8 micro-batches, blocks resharded after
+    # Interleaved, 8 stages over 4 ranks, 2 rounds of 4 micro-batches, blocks resharded after
     # each forward (the collectives of a stage's forwards and backwards then depend on their
-    # order), tp with sequence and loss parallelism, full AC. Rank 0's stages of 9 and 7
+    # order), tp with sequence and loss parallelism, full AC. Rank 0's stages of 5 and 4
     # blocks, from 2 and 3 blocks in each stage in turn. Two sequences a micro-batch: torch
     # 2.11's schedule refuses a sequence-parallel stage output of one (a stride mismatch).
-    ("pp=8,dp=2,tp=2", ["model.flavor=8B", "training.seq_len=32", "training.global_batch=64",
-                        "training.micro_batches=16", "parallel.pp_schedule=Interleaved1F1B",
-                        "parallel.pp_stages_per_rank=2", "parallel.pp_split=9,1,1,1,1,1,1,1,7,1,1,1,1,1,2,2",
+    ("pp=4,dp=2,tp=2", ["model.flavor=1B", "training.seq_len=32", "training.global_batch=32",
+                        "training.micro_batches=8", "parallel.pp_schedule=Interleaved1F1B",
+                        "parallel.pp_stages_per_rank=2", "parallel.pp_split=5,1,1,1,4,1,1,2",
                         "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
                         "parallel.activation_checkpoint=full"]),
 ]

@@ -180,67 +180,16 @@ def test_localizer_names_the_module_and_its_stage_under_context_parallel(reports
     assert (first["module"], first["what"], first["stage"]) == ("layers.0.attention.core", "output", 0), first
 
 
-# -- checkpoints ---------------------------------------------------------------------------
-# One pp=2 run (3 steps, checkpoints after steps 2 and 3, the final weights exported to one
-# file and as a Hugging Face folder), then resumes from step 2 on other layouts. The loss
-# after loading must be within 1e-5 (fp32) of the pp=2 run's own loss at that step; on the
-# same layout, bitwise equal.
-
-CHECKPOINT_RUN = ("--set", "training.steps=3", "--set", "checkpoint.every=2", "--set", "training.micro_batches=2")
-
-
-@pytest.fixture(scope="module")
-def pipeline_checkpoint(tmp_path_factory):
-    run = tmp_path_factory.mktemp("pp-checkpoint")
-    result = launcher("--mesh", "pp=2", *CHECKPOINT_RUN, "--set", f"run.dir={run}",
-                      "--set", f"checkpoint.export={run / 'final.pt'}", "--set", f"checkpoint.hf_export={run / 'hf'}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("mesh, micro_batches", [("pp=2", 2), ("dp=1", 2), ("pp=4", 4), ("pp=2,dp=2", 2),
-                                                  ("pp=2,cp=2", 2)])
-def test_pipeline_checkpoint_reshards(pipeline_checkpoint, tmp_path, mesh, micro_batches):
-    from tests.test_checkpoint import checkpoint
-    from tests.test_cli import losses
-
-    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(pipeline_checkpoint, 2)), "--set", "training.steps=3",
-                      "--set", f"training.micro_batches={micro_batches}", "--set", f"run.dir={tmp_path}")
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert "saved on mesh pp=2" in loaded.stdout
-    ours, expected = losses(tmp_path)[0], losses(pipeline_checkpoint)[2]
-    print(f"pp=2 -> {mesh}: first loss after loading {ours!r}, pp=2's own {expected!r}, diff {abs(ours - expected):.2e}")
-    if mesh == "pp=2":
-        assert ours == expected  # the same layout repeats the step bitwise
-    assert abs(ours - expected) <= 1e-5
-
-
-@pytest.mark.distributed
-def test_pipeline_export_gathers_every_stage(pipeline_checkpoint, tmp_path):
-    """The single file and the Hugging Face folder hold every stage's weights, bitwise those
-    of the last checkpoint."""
-    import torch
-    from safetensors.torch import load_file
-
-    from models.llama_hf import hf_name
-    from tests.test_checkpoint import assert_bitwise_equal, checkpoint, full_checkpoint
-
-    exported = torch.load(pipeline_checkpoint / "final.pt", weights_only=True)
-    assert_bitwise_equal(exported, full_checkpoint(checkpoint(pipeline_checkpoint, 3), tmp_path)["model"])
-    hf = load_file(str(pipeline_checkpoint / "hf" / "model.safetensors"))
-    assert {hf_name(key) for key in exported} == set(hf)
-    assert all(torch.equal(hf[hf_name(key)], value) for key, value in exported.items())
-
-
-# -- where the stage split meets a state dict: tied weights, an uneven split --------------
-# debug_tied at pp=2 with the first stage holding 3 of the 4 blocks and the embedding, the
-# last one block, the final norm and its copy of the tied output. The same 3 steps,
-# checkpoints and exports as above; then every way weights come back in: a resume on the
-# same layout (bitwise) and on others (1e-5), the single file through checkpoint.init_from
-# and the Hugging Face folder through checkpoint.hf_import at pp=2,tp=2. A tied Hugging Face
-# import under pp stopped every rank at start ("Unexpected key(s) in state_dict:
-# output.weight") until engine/checkpoint/hf.py loaded only the keys a stage holds.
+# -- checkpoints: where the stage split meets a state dict --------------------------------
+# One pp=2 run of the tied debug model with an uneven split: the first stage holds 3 of the
+# 4 blocks and the embedding, the last one block, the final norm and its copy of the tied
+# output. 3 steps, checkpoints after steps 2 and 3, the final weights exported to one file
+# and as a Hugging Face folder. Then every way weights come back in: resumes from step 2 on
+# other layouts, whose first loss must be within 1e-5 (fp32) of the pp=2 run's own at that
+# step (on the same layout, bitwise equal); the single file through checkpoint.init_from and
+# the folder through checkpoint.hf_import at pp=2,tp=2. A tied Hugging Face import under pp
+# stopped every rank at start ("Unexpected key(s) in state_dict: output.weight") until
+# engine/checkpoint/hf.py loaded only the keys a stage holds.
 
 TIED_UNEVEN = ("model.flavor=debug_tied", "parallel.pp_split=3,1")
 
@@ -250,35 +199,40 @@ def _sets(values) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tied_uneven_checkpoint(tmp_path_factory):
-    run = tmp_path_factory.mktemp("pp-tied-uneven")
-    result = launcher("--mesh", "pp=2", *CHECKPOINT_RUN, *_sets(TIED_UNEVEN), "--set", f"run.dir={run}",
-                      "--set", f"checkpoint.export={run / 'final.pt'}", "--set", f"checkpoint.hf_export={run / 'hf'}")
+def pipeline_checkpoint(tmp_path_factory):
+    run = tmp_path_factory.mktemp("pp-checkpoint")
+    result = launcher("--mesh", "pp=2", *_sets(("training.steps=3", "checkpoint.every=2", "training.micro_batches=2",
+                                                 *TIED_UNEVEN)),
+                      "--set", f"run.dir={run}", "--set", f"checkpoint.export={run / 'final.pt'}",
+                      "--set", f"checkpoint.hf_export={run / 'hf'}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mesh, extra", [("pp=2", TIED_UNEVEN), ("pp=4", ("model.flavor=debug_tied",)),
-                                         ("dp=2,tp=2", ("model.flavor=debug_tied",))])
-def test_tied_uneven_checkpoint_reshards(tied_uneven_checkpoint, tmp_path, mesh, extra):
+@pytest.mark.parametrize("mesh, settings", [("pp=2", TIED_UNEVEN), ("dp=1", TIED_UNEVEN[:1]),
+                                            ("pp=4", TIED_UNEVEN[:1]), ("pp=2,dp=2", TIED_UNEVEN[:1]),
+                                            ("pp=2,cp=2", TIED_UNEVEN[:1])])
+def test_pipeline_checkpoint_reshards(pipeline_checkpoint, tmp_path, mesh, settings):
     from tests.test_checkpoint import checkpoint
     from tests.test_cli import losses
 
-    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(tied_uneven_checkpoint, 2)),
-                      "--set", "training.steps=3", "--set", f"training.micro_batches={parse_mesh(mesh).pp}",
-                      "--set", f"run.dir={tmp_path}", *_sets(extra))
+    micro_batches = max(2, parse_mesh(mesh).pp)
+    loaded = launcher("--mesh", mesh, "--resume", str(checkpoint(pipeline_checkpoint, 2)),
+                      *_sets(("training.steps=3", f"training.micro_batches={micro_batches}", f"run.dir={tmp_path}",
+                              *settings)))
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    ours, expected = losses(tmp_path)[0], losses(tied_uneven_checkpoint)[2]
-    print(f"pp=2 (3,1) -> {mesh}: first loss after loading {ours!r}, the run's own {expected!r}")
+    assert "saved on mesh pp=2" in loaded.stdout
+    ours, expected = losses(tmp_path)[0], losses(pipeline_checkpoint)[2]
+    print(f"pp=2 (3,1) -> {mesh}: first loss after loading {ours!r}, pp=2's own {expected!r}, "
+          f"diff {abs(ours - expected):.2e}")
     if mesh == "pp=2":
-        assert ours == expected
+        assert ours == expected  # the same layout repeats the step bitwise
     assert abs(ours - expected) <= 1e-5
 
 
-
 @pytest.mark.distributed
-def test_tied_uneven_exports_hold_every_stage_and_come_back_in(tied_uneven_checkpoint, tmp_path):
+def test_pipeline_exports_hold_every_stage_and_come_back_in(pipeline_checkpoint, tmp_path):
     """Both exports hold the last checkpoint's weights bitwise, the Hugging Face folder with
     no lm_head (tied). Read back at pp=2,tp=2, the single file (init_from) and the folder
     (hf_import) start the same first step bitwise, and with lr=0 the folder exported again
@@ -290,7 +244,7 @@ def test_tied_uneven_exports_hold_every_stage_and_come_back_in(tied_uneven_check
     from tests.test_checkpoint import assert_bitwise_equal, checkpoint, full_checkpoint
     from tests.test_cli import losses
 
-    run = tied_uneven_checkpoint
+    run = pipeline_checkpoint
     exported = torch.load(run / "final.pt", weights_only=True)
     assert_bitwise_equal(exported, full_checkpoint(checkpoint(run, 3), tmp_path)["model"])
     hf = load_file(str(run / "hf" / "model.safetensors"))
@@ -298,13 +252,14 @@ def test_tied_uneven_exports_hold_every_stage_and_come_back_in(tied_uneven_check
     assert all(torch.equal(hf[hf_name(key)], value) for key, value in exported.items() if key != "output.weight")
     assert torch.equal(exported["output.weight"], exported["tok_embeddings.weight"])
 
-    common = ("--mesh", "pp=2,tp=2", "--set", "training.steps=1", "--set", "training.micro_batches=2",
-              "--set", "optim.lr=0")
-    from_file = launcher(*common, "--set", "model.flavor=debug_tied", "--set", f"checkpoint.init_from={run / 'final.pt'}",
-                         "--set", f"run.dir={tmp_path / 'init'}")
+    common = ("training.steps=1", "training.micro_batches=2", "optim.lr=0")
+    from_file = launcher("--mesh", "pp=2,tp=2", *_sets((*common, "model.flavor=debug_tied",
+                                                         f"checkpoint.init_from={run / 'final.pt'}",
+                                                         f"run.dir={tmp_path / 'init'}")))
     assert from_file.returncode == 0, from_file.stderr[-3000:]
-    from_folder = launcher(*common, "--set", f"checkpoint.hf_import={run / 'hf'}",
-                           "--set", f"checkpoint.hf_export={tmp_path / 'hf2'}", "--set", f"run.dir={tmp_path / 'hf'}")
+    from_folder = launcher("--mesh", "pp=2,tp=2", *_sets((*common, f"checkpoint.hf_import={run / 'hf'}",
+                                                           f"checkpoint.hf_export={tmp_path / 'hf2'}",
+                                                           f"run.dir={tmp_path / 'hf'}")))
     assert from_folder.returncode == 0, from_folder.stderr[-3000:]
     assert losses(tmp_path / "init") == losses(tmp_path / "hf")
     again = load_file(str(tmp_path / "hf2" / "model.safetensors"))
