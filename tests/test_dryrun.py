@@ -254,6 +254,7 @@ EXTRAPOLATED = [  # ranks of the fake process group, as many as each mesh names
 
 
 @pytest.mark.compat
+@pytest.mark.slow
 def test_plan_for_extrapolation_matches_a_full_depth_simulation(tmp_path):
     """--plan-for simulates two shallow depths and extrapolates (engine/dryrun/search.py):
     state bytes and collectives must come out exactly as at full depth, the peak within
@@ -276,6 +277,7 @@ def test_plan_for_extrapolation_matches_a_full_depth_simulation(tmp_path):
                 index, role, guess["phase_peaks"], full["phase_peaks"])
 
 
+@pytest.mark.slow
 def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     report = tmp_path / "plan.json"
     result = launcher("--plan-for", "--world", "4", "--set", "training.seq_len=64", "--set", "training.global_batch=8",
@@ -296,6 +298,7 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     assert "done: 1 steps" in trained.stdout
 
 
+@pytest.mark.slow
 def test_plan_for_searches_context_parallel_for_long_sequences(tmp_path):
     """At 16,384 tokens, cp=2 leaves each rank 8,192 (engine/dryrun/search.py: CP_MIN_TOKENS),
     cp=4 would leave 4,096: the search offers the first and not the second, and ranks the
@@ -313,6 +316,7 @@ GPT2 = ["--set", "model.plugin=examples.gpt2_plan", "--set", "model.name=gpt2", 
         "--set", "parallel.plan=gpt2"]
 
 
+@pytest.mark.slow
 def test_plan_for_a_model_added_through_the_plan_api(tmp_path):
     """GPT-2 from examples/gpt2_plan.py, whose plan has no sequence-parallel variant: the
     search loads the plugin, offers tensor parallel without SP, and its best command trains."""

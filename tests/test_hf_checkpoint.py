@@ -322,6 +322,7 @@ def test_command_line_imports_and_exports(written, tmp_path):
     assert not out.with_name("export.partial").exists() and (out / SINGLE).is_file()
 
 
+@pytest.mark.slow
 def test_plan_for_an_imported_checkpoint_searches_its_shapes(written, tmp_path):
     """--plan-for plans the imported model, not the config's own flavor: TINY's 2 key/value
     heads allow tp=2 at most, where the debug flavor's 4 allow tp=4; its best command trains."""

@@ -67,6 +67,7 @@ def one_node(tmp_path_factory):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_two_nodes_read_the_node_size_and_match_one_node(tmp_path, one_node):
     codes = finish(start_nodes(tmp_path, RUN, *ARGS, "--set", f"run.dir={tmp_path / 'two'}"))
     assert codes == [0, 0], errors(tmp_path)
@@ -79,6 +80,7 @@ def test_two_nodes_read_the_node_size_and_match_one_node(tmp_path, one_node):
 
 @pytest.mark.distributed
 @pytest.mark.compat
+@pytest.mark.slow
 def test_restart_after_one_node_lost_a_rank_with_different_restart_counts(tmp_path):
     nodes = start_nodes(tmp_path, REPO / "tests" / "restart_round_worker.py", str(tmp_path / "left"),
                         max_restarts=1)
@@ -106,6 +108,7 @@ def cpu_load(seconds: float):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_rank_killed_on_one_node_under_cpu_load_resumes_both_with_the_uninterrupted_losses(tmp_path, one_node):
     """Rank 5 (the second node) is SIGKILLed right after step 4 of 6, checkpoints every 3
     steps, --max-restarts 1, while the test keeps every core busy: both nodes resume from
