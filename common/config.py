@@ -36,6 +36,11 @@ class ParallelConfig:
     loss_parallel: bool = False  # keep the logits sharded by vocabulary into the loss
     activation_checkpoint: str = "none"  # none, full, selective (every Nth block) or op
     checkpoint_every: int = 2  # N for selective
+    # In the blocks activation_checkpoint leaves alone, recompute norms, SwiGLU's products
+    # and sequence parallel's gathers in backward, keeping matmul and attention outputs:
+    # activations at their true size, for one more tp all-gather per sublayer in backward
+    # under sequence parallel (docs/parallelism.md, "activations at their true size").
+    recompute_cheap: bool = False
     compile: bool = False  # torch.compile each block
     reshard_after_forward: bool | int | str = True  # true, false, auto or a group size
     root_reshard_after_forward: bool = False

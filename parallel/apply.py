@@ -5,7 +5,8 @@
    stage, the output on the last); steps 1 to 6 then apply to each part as to a model,
 1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh, then, with cp > 1,
    attention across the cp ranks (parallel/context.py),
-2. activation checkpointing, per block,
+2. activation checkpointing, per block; the blocks it leaves alone recompute their cheap
+   activations (norms, products, sequence-parallel gathers) in backward, per sublayer,
 3. torch.compile, per block,
 4. fully_shard on every block (with the reshard-after-forward setting),
 5. fully_shard on the root, which takes the remaining parameters,
@@ -24,14 +25,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
 from parallel.mesh import ParallelDims
-from parallel.pipeline import build_pipeline, join_parts, split_into_parts
+from parallel.pipeline import ZERO_BUBBLE, build_pipeline, join_parts, split_into_parts
 from parallel.plan import Plan, expand
 from parallel.prefetch import apply_prefetch, prefetch_order
 from parallel.validate import validate_plan
@@ -113,15 +114,93 @@ def checkpoint_block(block: nn.Module, policy=None) -> None:
     block.forward = checkpointed
 
 
-def apply_activation_checkpoint(block_paths: list[str], model: nn.Module,
-                                options: ParallelConfig) -> list[str]:
+def contracts_over_a_shard(op, args) -> bool:
+    """Whether a matmul sums over a tensor-parallel shard: a row-parallel linear, whose
+    output is a partial sum over the whole sequence that a reduction follows at once and
+    that no backward reads. (Eager only: a compiled graph sees plain tensors, and its
+    partitioner keeps only what the backward reads.)"""
+    operand = args[1] if op is torch.ops.aten.addmm.default else args[0]
+    return isinstance(operand, DTensor) and any(
+        isinstance(p, Shard) and p.dim in (-1, operand.ndim - 1) for p in operand.placements)
+
+
+def sublayer_policy(compiled: bool):
+    """What a sublayer recomputed in backward keeps: the outputs of its matmuls (but not a
+    row-parallel one's partial sum) and of attention. Norms, SiLU and its product, rotary
+    embeddings, layout copies and the all-gathers of sequence parallelism are computed
+    again from the sublayer's input, which its caller keeps (the residual stream: a
+    sequence shard under SP). A linear then keeps the shard it was given, not the gathered
+    sequence, as Megatron's sequence-parallel linears do."""
+    def policy(ctx, op, *args, **kwargs):
+        keep = ((op in SAVED_OPS and not contracts_over_a_shard(op, args))
+                or (compiled and _draws_random_numbers(op)))
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@functools.cache
+def recomputed_class(base: type, compiled: bool) -> type:
+    """`base` with a __call__ that runs the module's whole call under a selective checkpoint
+    (sublayer_policy): its hooks too, where tensor parallel's styles gather their inputs.
+    One class per module class, so torch.compile sees the same class in every block and
+    compiles one graph for them all (a class per module recompiled every block)."""
+    context_fn = functools.partial(create_selective_checkpoint_contexts, sublayer_policy(compiled))
+
+    def __call__(self, *args, **kwargs):
+        return checkpoint(super(recomputed, self).__call__, *args, use_reentrant=False, context_fn=context_fn,
+                          **kwargs)
+
+    recomputed = type(f"Recomputed{base.__name__}", (base,), {"__call__": __call__})
+    return recomputed
+
+
+def recompute_call(module: nn.Module, compiled: bool) -> None:
+    """Recompute `module`'s cheap activations in backward. Its class becomes a subclass
+    (recomputed_class), as fully_shard swaps a block's class, so parameter names, the state
+    dict and the plan's paths stay as they were; early stop ends the recompute before the
+    sublayer's last matmul."""
+    module.__class__ = recomputed_class(type(module), compiled)
+
+
+def sublayer_patterns(plan: Plan) -> tuple[str, ...]:
+    """The plan's sublayers; for a plan that names none, the modules its sequence-parallel
+    overlay gathers the sequence into (their linears would keep the gathered input)."""
+    return plan.sublayers or tuple(path for path, style in plan.sequence_parallel.items()
+                                   if isinstance(style, PrepareModuleInput))
+
+
+def recomputes_cheap_activations(options: ParallelConfig, pp: int) -> bool:
+    """A zero-bubble schedule runs a second backward over each block (its weight
+    gradients), which a selective checkpoint forbids: there the activations stay."""
+    return options.recompute_cheap and not (pp > 1 and options.pp_schedule in ZERO_BUBBLE)
+
+
+def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: Plan, options: ParallelConfig,
+                                pp: int, cp_cores: list[str]) -> tuple[list[str], list[str]]:
+    """Checkpoint the blocks the mode picks; in the others, recompute each sublayer's cheap
+    activations. Returns (checkpointed blocks, recomputed sublayers).
+
+    Compiled, a sublayer that holds a context-parallel attention core (`cp_cores`) keeps
+    its activations: the core gathers keys and values outside the graph (a graph break),
+    which a checkpoint inside a compiled block cannot hold; torch then ran the sublayer
+    eagerly among the compiled parts, and cp x tp ranks waited on each other's
+    collectives for ever (torch 2.13)."""
     mode = options.activation_checkpoint
     chosen = [path for index, path in enumerate(block_paths)
               if mode in ("full", "op") or (mode == "selective" and index % options.checkpoint_every == 0)]
     policy = checkpoint_policy(op_level=mode == "op", compiled=options.compile)
     for path in chosen:
         checkpoint_block(model.get_submodule(path), policy)
-    return chosen
+    sublayers = []
+    if recomputes_cheap_activations(options, pp):
+        inside = lambda path, outer: any(path.startswith(o + ".") for o in outer)
+        graph_breaks = cp_cores if options.compile else []
+        sublayers = [path for pattern in sublayer_patterns(plan) for path in expand(model, pattern, plan.name)
+                     if not inside(path, chosen) and not any(inside(core, [path]) for core in graph_breaks)]
+        for path in sublayers:
+            recompute_call(model.get_submodule(path), options.compile)
+    return chosen, sublayers
 
 
 def _clone_output(module, inputs, output):
@@ -194,6 +273,7 @@ class AppliedPlan:
     tp_styles: dict[str, object] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)  # sublayers whose cheap activations are recomputed
     compiled: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
     block_reshard: bool | int = True
@@ -210,10 +290,11 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
     if dims.tp_enabled:
         tp_styles = apply_tensor_parallel(model, plan, dims, options)
         applied.tp_styles.update(tp_styles)
-    if dims.cp_enabled:
-        applied.attention += apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype))
-    if options.activation_checkpoint != "none":
-        applied.checkpointed += apply_activation_checkpoint(paths, model, options)
+    cp_cores = apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype)) if dims.cp_enabled else []
+    applied.attention += cp_cores
+    checkpointed, recomputed = apply_activation_checkpoint(paths, model, plan, options, dims.spec.pp, cp_cores)
+    applied.checkpointed += checkpointed
+    applied.recomputed += recomputed
     if options.compile:
         apply_compile(model, blocks, list(tp_styles), paths, dims)
         applied.compiled += paths

@@ -60,11 +60,12 @@ def explain(model: nn.Module, applied: AppliedPlan) -> str:
         in_block = path in applied.blocks
         rows.append((
             path or "(root)",
-            type(module).__name__.removeprefix("FSDP"),
+            type(module).__name__.removeprefix("FSDP").removeprefix("Recomputed"),
             describe_style(style) if style else "",
             ("root" if path == "" else "unit") if unit else "",
             str(applied.block_reshard if in_block else options.root_reshard_after_forward) if unit else "",
-            (options.activation_checkpoint if path in applied.checkpointed else ""),
+            (options.activation_checkpoint if path in applied.checkpointed else
+             "cheap" if path in applied.recomputed else ""),
             "yes" if path in applied.compiled else "",
             f"{local:,}/{full:,}" if full else "",
         ))

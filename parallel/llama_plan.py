@@ -49,6 +49,9 @@ LLAMA = register_plan(Plan(
     output="output",
     # q, k, v and wo must split into whole heads: kv heads bound the TP degree.
     shard_units={"layers.*.attention.w?": lambda model: model.args.head_dim},
+    # Recomputed in backward but for their matmuls and attention: a norm keeps only its
+    # input, attention and the MLP the shard they are given, SwiGLU the outputs of w1 and w3.
+    sublayers=("layers.*.attention_norm", "layers.*.attention", "layers.*.ffn_norm", "layers.*.feed_forward"),
     # Context parallelism attends across ranks in place of this module.
     attention="layers.*.attention.core",
     # Pipeline stages: the embedding first, the final norm and output last; every block

@@ -66,6 +66,11 @@ class Plan:
     # Block paths in forward execution order, for models that do not run their blocks in
     # module order; None means module order. Used by explicit prefetch (parallel/prefetch.py).
     prefetch_order: tuple[str, ...] | None = None
+    # Path globs of the sublayers of a block (its norms, attention, MLP) whose cheap
+    # activations are recomputed in backward while their matmul and attention outputs are
+    # kept (parallel/apply.py, step 2). Empty: the modules the sequence-parallel overlay
+    # gathers the sequence into.
+    sublayers: tuple[str, ...] = ()
     # How the model splits into pipeline stages; None refuses pp > 1.
     stages: Stages | None = None
     # Path glob of the attention cores: modules called as core(q, k, v) on (batch, heads,

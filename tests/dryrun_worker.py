@@ -9,6 +9,11 @@ and the prediction is the user's command, `launch/run.py --dry-run --world 4 --m
 torch caches DTensor sharding decisions by mesh, and a second fake world in the same
 process reuses the first one's process-group names, so one process simulates one layout.
 
+    python tests/dryrun_worker.py activations LAYOUT.json OUT/
+        what one more block adds on rank 0 of a simulated layout ([mesh, [key=value, ...],
+        world size]): the forward's peak, less the block's parameter and optimizer state,
+        is the activations it keeps for backward; with its collectives; OUT/activations.json.
+
 LAYOUTS.json is a list of [mesh, [key=value, ...]] over the default config.
 `measure_and_predict` runs both for tests/test_dryrun.py and bench/dryrun_validation.py.
 """
@@ -104,12 +109,27 @@ def extrapolation(layouts, out: Path) -> None:
             [{"full": full.as_dict(), "extrapolated": guess.as_dict()} for full, guess in pairs]))
 
 
+def activations(layout, out: Path) -> None:
+    from engine.dryrun.simulate import eager, observe_rank_zero
+
+    mesh, overrides, world_size = layout
+    cfg, _ = eager(layout_config(mesh, overrides))
+    spec = parse_mesh(mesh).resolve(world_size)
+    shallow, deep = (observe_rank_zero(cfg, spec, world_size, n_layers=depth) for depth in (2, 3))
+    state = lambda o: o.param_bytes + o.optimizer_bytes
+    (out / "activations.json").write_text(json.dumps({
+        "block_bytes": deep.phase_peaks["forward"] - shallow.phase_peaks["forward"] - (state(deep) - state(shallow)),
+        "comm": {"shallow": shallow.comm, "deep": deep.comm}}))
+
+
 if __name__ == "__main__":
     mode, layouts_file, out_dir = sys.argv[1:]
     layouts = json.loads(Path(layouts_file).read_text())
     if mode == "measure":
         measure(layouts, Path(out_dir))
         exit_without_teardown(0)
+    elif mode == "activations":
+        activations(layouts, Path(out_dir))
     else:
         assert mode == "extrapolation", mode
         extrapolation(layouts, Path(out_dir))

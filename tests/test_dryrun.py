@@ -25,6 +25,8 @@ BATCH = "training.global_batch=8"
 LAYOUTS = [
     ("dp=4", [BATCH]),
     ("dp=2,tp=2", [BATCH, "parallel.sequence_parallel=true"]),
+    # Sublayers recompute their cheap activations: a second all-gather each in backward.
+    ("dp=2,tp=2", [BATCH, "parallel.sequence_parallel=true", "parallel.recompute_cheap=true"]),
     ("hsdp=2,dp=2", [BATCH]),
     ("dp=4", [BATCH, "parallel.reshard_after_forward=2"]),
     ("dp=2,tp=2", [BATCH, "parallel.activation_checkpoint=full"]),
@@ -34,6 +36,8 @@ LAYOUTS = [
     ("dp=4", [BATCH, "model.flavor=debug_tied", "parallel.activation_checkpoint=full"]),
     ("dp=2,cp=2", [BATCH]),
     ("cp=2,tp=2", [BATCH, "parallel.sequence_parallel=true", "parallel.activation_checkpoint=full"]),
+    ("cp=2,tp=2", [BATCH, "parallel.sequence_parallel=true", "parallel.recompute_cheap=true",
+                   "parallel.activation_checkpoint=selective"]),
     # Pipeline parallel: every stage role simulated, point-to-point messages counted.
     ("pp=2,dp=2", [BATCH, "training.micro_batches=2"]),
     ("pp=4", [BATCH, "training.micro_batches=4"]),
