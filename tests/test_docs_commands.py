@@ -46,6 +46,7 @@ EXPECTED = {
     "--plan-for --world 64": ["searched", "python launch/run.py --set model.flavor=8B"],
     "bench/init_time.py": ["| 8 | 12,585,312 |"],
     "bench/context_memory.py": ["| cp=4 | 4 | 8,192 | 2,048 |"],
+    "bench/saved_activations.py": ["| true |", "count 4,980,736 bytes per block"],
     "prepare.py --check": ["every id inside the --vocab-size vocabulary of 256"],
 }
 
