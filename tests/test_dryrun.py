@@ -363,3 +363,56 @@ def test_the_torch_internals_the_dry_run_uses_are_checked_up_front(monkeypatch, 
     monkeypatch.setattr(torch_internals, table, (*getattr(torch_internals, table), ("torch", "no_such_name")))
     with pytest.raises(UserError, match="needs torch.no_such_name"):
         torch_internals.check_supported(measuring)
+
+
+def test_the_search_leaves_out_only_layouts_that_need_more_memory_than_one_that_did_not_fit():
+    """first_fit with reshard settings least memory first (no process group: a made-up
+    peak that grows as reshard keeps more gathered and AC saves more): every ladder's first
+    fit is the one simulating every layout finds, and with fewer simulations."""
+    from engine.dryrun.search import Outcome, first_fit, ladders, reshard_options
+    from parallel.mesh import MeshSpec
+
+    spec = MeshSpec(dp=16, tp=2)
+    kept = {"true": 0, "4": 1, "false": 2}
+    saved = {"full": 1, "selective": 2, "op": 3, "none": 4}
+
+    def peak(layout) -> int:  # activations fall with more micro-batches, gathered state rises
+        return 10 * saved[layout.activation_checkpoint] // layout.micro_batches + 3 * kept[layout.reshard]
+
+    for usable in range(4, 48):
+        simulated = []
+
+        def evaluate(layout):
+            simulated.append(layout)
+            fits = peak(layout) <= usable
+            return Outcome(layout, peak(layout), object() if fits else None)
+
+        beyond, searched, every = {}, [], []
+        assert reshard_options(spec, 8) == ["true", "4", "false"]
+        for reshard in reshard_options(spec, 8):
+            for ladder in ladders(spec, reshard, True, 8):
+                searched += [o.layout for o in first_fit(ladder, evaluate, beyond) if o.estimate is not None]
+                every += [next((layout for layout in ladder if peak(layout) <= usable), None)]
+        assert searched == [layout for layout in every if layout is not None], usable
+        assert len(simulated) < 3 * len(ladder), usable
+
+
+def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monkeypatch):
+    """evaluate_layout simulates stage roles one by one and stops at the first over the
+    memory: its peak is then that role's (no process group: made-up observations)."""
+    from engine.dryrun import search
+    from engine.dryrun.observe import Observation
+    from parallel.mesh import MeshSpec
+
+    simulated = []
+
+    def roles(cfg, layout, world, depth):
+        for peak in (5, 50, 7):
+            simulated.append(peak)
+            yield Observation(0, 0, 0, peak, {}), 1.0
+
+    monkeypatch.setattr(search, "observe_stage_roles", roles)
+    monkeypatch.setattr(search, "layout_config", lambda cfg, layout: cfg)
+    layout = search.Layout(MeshSpec(dp=2, pp=4), "true", "full", 4)
+    outcome = search.evaluate_layout(None, layout, 8, 8, 1.0, None, usable=10)
+    assert simulated == [5, 50] and outcome.estimate is None and outcome.peak_bytes == 50

@@ -17,14 +17,15 @@ What is searched, and why not more:
   over all the other ranks (dp) or within a node and replicated across nodes
   (hsdp x dp); with tp > 1, loss parallelism on, and sequence parallelism on when the
   plan has a sequence-parallel variant;
-- reshard_after_forward: false, true, and the node-local group size when dp spans
-  more than one node;
+- reshard_after_forward: true, the node-local group size when dp spans more than one
+  node, and false (least memory first);
 - activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
   for each mesh and reshard setting the search stops at the first that fits, since
   the later ones recompute or re-gather more and are never faster in the step model.
   After the first, each micro-batch count is tried with full AC before the others, as
   that needs least memory at that count: when it does not fit, the count's other layouts
-  are not simulated (first_fit);
+  are not simulated, with this reshard setting nor with the later ones, which keep more
+  gathered (first_fit);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -38,7 +39,7 @@ What is searched, and why not more:
   Each distinct stage role is combined from short pipelines (below), with its own blocks
   or, where that would simulate more, with 2 and 3 blocks per stage and extrapolated to
   them (observe_blocks); the layout's peak is the largest role's, its step the slowest
-  role's. With pp, tp is the largest the plan takes within a node (a model that needs
+  role's (the roles are simulated one by one, and one that does not fit ends the layout). With pp, tp is the largest the plan takes within a node (a model that needs
   pipeline stages needs its activations split as far as a node allows).
 
 Short pipelines. A pipeline rank's step is its stages' forwards and backwards in the
@@ -67,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -122,13 +124,15 @@ class Outcome:
 
 def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, profile, usable: float) -> "Outcome":
     """Simulate one layout; it fits or not (the largest peak of its stage roles), and the
-    step estimate of its slowest role when it does."""
+    step estimate of its slowest role when it does. Under pp the roles are simulated in
+    order and the first that does not fit ends it: the layout's peak is then at least that."""
     layout_cfg = layout_config(cfg, layout)
     spec = layout.spec
-    if spec.pp == 1:
-        roles = [(observe(layout_cfg, layout, world, depth), None)]
-    else:
-        roles = observe_stage_roles(layout_cfg, layout, world, depth)
+    roles = [(observe(layout_cfg, layout, world, depth), None)] if spec.pp == 1 else []
+    for role in observe_stage_roles(layout_cfg, layout, world, depth) if spec.pp > 1 else ():
+        roles.append(role)
+        if role[0].peak_bytes > usable:
+            break
     peak = max(observed.peak_bytes for observed, _ in roles)
     if peak > usable:
         return Outcome(layout, peak, None, f"peak {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
@@ -219,7 +223,9 @@ def search_mesh(cfg, world: int) -> MeshSpec:
 
 
 def reshard_options(spec: MeshSpec, gpus_per_node: int) -> list[str]:
-    options = ["false", "true"]
+    """The reshard settings searched, least memory first: resharding after every forward
+    frees the most, a node-local group less, keeping the gathered parameters none."""
+    options = ["true", "false"]
     in_node = gpus_per_node // spec.tp
     if 1 < in_node < spec.shard_size and spec.shard_size % in_node == 0:
         options.insert(1, str(in_node))
@@ -293,9 +299,9 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
             and not micro_batches_needed(layout.schedule, spec.pp, layout.stages_per_rank, layout.micro_batches))
 
 
-def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tuple[Observation, float]]:
+def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator[tuple[Observation, float]]:
     """Under pipeline parallel: (the observation, the FLOPs per token) of each distinct
-    stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks)."""
+    stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks), one by one."""
     from engine.dryrun.estimate import stage_flops_per_token
     from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
@@ -306,12 +312,10 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> list[tup
     split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split)
     plan, whole = get_plan(cfg.parallel.plan), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
-    roles = []
     for pp_rank in pipeline_ranks(cfg, spec, depth):
         held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
         observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
-        roles.append((observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)))
-    return roles
+        yield observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)
 
 
 def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
@@ -438,27 +442,37 @@ def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int) ->
             for schedule, per_rank in PIPELINE_SCHEDULES]
 
 
-def first_fit(ladder: list[Layout], evaluate) -> list[Outcome]:
+def first_fit(ladder: list[Layout], evaluate, beyond: dict[int, Outcome]) -> list[Outcome]:
     """The outcomes of the ladder's layouts up to the first that fits, in order. After the
     first, a layout is simulated only when its micro-batch count fits with full AC, which
     needs least memory at that count: that layout is simulated first, and when it does not
     fit (its outcome says so), the count's other layouts are left out. (Not across counts:
-    without pp, more micro-batches hold the whole model's unreduced gradients.)"""
+    without pp, more micro-batches hold the whole model's unreduced gradients.)
+
+    `beyond`: micro-batches -> the outcome of a full-AC layout that did not fit with a
+    reshard setting needing no more memory than this ladder's (reshard_options' order);
+    those counts' layouts are left out from the first, and this ladder's full-AC layouts
+    that do not fit are added."""
     outcomes, full_ac = [], {}  # micro-batches -> the outcome of its full-AC layout
     for layout in ladder:
         count = layout.micro_batches
+        if count in beyond:
+            continue
         least = next((other for other in ladder if other.micro_batches == count
                       and other.activation_checkpoint == "full"), None)
         if outcomes and least is not None and count not in full_ac:
             full_ac[count] = evaluate(least)
             if full_ac[count].estimate is None:
                 outcomes.append(full_ac[count])
+                beyond[count] = full_ac[count]
         known = full_ac.get(count)
         if known is not None and known.estimate is None:
             continue
         outcomes.append(known if layout is least and known is not None else evaluate(layout))
         if outcomes[-1].estimate is not None:
             return outcomes
+        if layout is least:
+            beyond[count] = outcomes[-1]
     return outcomes
 
 
@@ -477,9 +491,12 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
 
     for spec in meshes(cfg, world, depth):
         rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
+        beyond = {}  # (schedule, stages per rank) -> first_fit's `beyond`, across reshard settings
         for reshard in reshard_options(spec, dry.gpus_per_node):
             for ladder in ladders(spec, reshard, sequence_parallel, rows):
-                for outcome in first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate):
+                runs = [layout for layout in ladder if runnable(cfg, layout, depth)]
+                key = (ladder[0].schedule, ladder[0].stages_per_rank)
+                for outcome in first_fit(runs, evaluate, beyond.setdefault(key, {})):
                     report(outcome)
                     outcomes.append(outcome)
     fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))
