@@ -52,6 +52,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="search the layouts the engine supports for --world N GPUs (dryrun.gpus_per_node, "
                         "dryrun.gpu_memory_gib), drop those that do not fit, and print the fastest as "
                         "command lines (docs/planning.md)")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="with --dry-run: also write each simulated rank role's step as a Chrome trace "
+                        "(compute, collectives, pipeline messages and bubble on a timeline) to open in "
+                        "ui.perfetto.dev or chrome://tracing (docs/planning.md)")
     parser.add_argument("--world", type=int, metavar="N",
                         help="with --dry-run or --plan-for: the number of ranks (default: the mesh's size)")
     parser.add_argument("--nproc", type=int, help="processes to start when not under torchrun "
@@ -317,12 +321,25 @@ def dry_run(args: argparse.Namespace) -> int:
     cfg, spec = check(args, args.world)
     from engine.dryrun.report import render, write_json
     from engine.dryrun.simulate import simulate
-    result = simulate(cfg, spec, spec.world_size)
+    result = simulate(cfg, spec, spec.world_size, trace=args.trace is not None)
     print(render(result, cfg), flush=True)
     if cfg.dryrun.report:
         write_json(result, cfg, cfg.dryrun.report)
         print(f"report -> {cfg.dryrun.report}")
+    if args.trace is not None:
+        from engine.dryrun.trace import write_trace
+        write_trace(result, cfg, spec, args.trace)
+        print(f"trace -> {args.trace}")
     return EXIT_OK
+
+
+def check_trace_request(args: argparse.Namespace) -> None:
+    """--trace draws the step that --dry-run simulates, and nothing else."""
+    if args.trace is not None and not args.dry_run:
+        raise UserError(f"--trace {args.trace} draws the step that a dry run simulates, so it needs --dry-run "
+                        f"(not a training run or --plan-for): add --dry-run --world N to this command, or drop "
+                        f"--trace. To trace a layout that --plan-for suggests, rerun its command line with "
+                        f"--dry-run --trace FILE.")
 
 
 def plan_layouts(args: argparse.Namespace) -> int:
@@ -381,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torchrun = under_torchrun()
     try:
+        check_trace_request(args)
         if args.dry_run or args.plan_for:
             return dry_run(args)
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)

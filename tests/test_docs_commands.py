@@ -48,6 +48,7 @@ EXPECTED = {
     "bench/context_memory.py": ["| cp=4 | 4 | 8,192 | 2,048 |"],
     "bench/saved_activations.py": ["| true |", "count 4,980,736 bytes per block"],
     "prepare.py --check": ["every id inside the --vocab-size vocabulary of 256"],
+    "--trace runs/trace.json": ["pp rank  stages", "trace -> runs/trace.json"],
 }
 
 

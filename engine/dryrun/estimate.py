@@ -97,6 +97,32 @@ def group_span(dim: str, spec) -> tuple[int, int]:
     return 1, 1
 
 
+def group_link(dim: str, spec, profile: Profile) -> tuple[int, float]:
+    """(ranks in a mesh dimension's group, the bandwidth its collectives move at): the
+    intra-node link where the group's members lie within one node, the inter-node one
+    otherwise."""
+    ranks, span = group_span(dim, spec)
+    if dim == "pp":  # neighbours a stage of ranks apart share a node only if a stage fits in less than one
+        in_node = spec.world_size // spec.pp < profile.gpus_per_node
+    else:
+        in_node = span <= profile.gpus_per_node
+    return ranks, profile.intra_node_bytes_s if in_node else profile.inter_node_bytes_s
+
+
+def step_place(dim: str, phase: str) -> str:
+    """Where a dimension's collectives of a phase count in the step: "hidden" for FSDP's
+    forward and backward ones, which overlap compute (only what exceeds it shows);
+    "pipeline" for the pipeline group's, whose messages count through the fill and drain
+    (exposed_p2p_s) and whose other collectives (the loss's and the gradient norm's
+    scalars; with pp=2, a tied embedding's gradient) are left out; "exposed" for the
+    rest, which the step waits for."""
+    if dim == "pp":
+        return "pipeline"
+    if phase != "optimizer" and (dim in OVERLAPPED or dim.startswith("group of ")):
+        return "hidden"
+    return "exposed"
+
+
 def collective_seconds(kind: str, nbytes: int, ranks: int, bandwidth: float) -> float:
     if ranks <= 1:
         return 0.0
@@ -137,7 +163,12 @@ def p2p_seconds(kinds: dict, bandwidth: float) -> tuple[float, float]:
     """(all of a rank's point-to-point time, that of its largest single message)."""
     sends, receives = kinds.get("send", {"count": 0, "bytes": 0}), kinds.get("recv", {"count": 0, "bytes": 0})
     largest = max(sends["bytes"] / max(1, sends["count"]), receives["bytes"] / max(1, receives["count"]))
-    return max(sends["bytes"], receives["bytes"]) / bandwidth, largest / bandwidth
+    return message_seconds(max(sends["bytes"], receives["bytes"]), bandwidth), message_seconds(largest, bandwidth)
+
+
+def message_seconds(nbytes: float, bandwidth: float) -> float:
+    """Point to point: the bytes cross the link once, each direction on its own."""
+    return nbytes / bandwidth
 
 
 def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profile,
@@ -151,11 +182,7 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
     comm_s: dict[str, float] = {}
     hidden, exposed, exposed_p2p = 0.0, 0.0, 0.0
     for dim, phases in comm.items():
-        ranks, span = group_span(dim, spec)
-        bandwidth = profile.intra_node_bytes_s if span <= profile.gpus_per_node else profile.inter_node_bytes_s
-        if dim == "pp":  # neighbours a stage of ranks apart share a node only if a stage fits in less than one
-            bandwidth = (profile.intra_node_bytes_s if spec.world_size // spec.pp < profile.gpus_per_node
-                         else profile.inter_node_bytes_s)
+        ranks, bandwidth = group_link(dim, spec, profile)
         for phase, kinds in phases.items():
             seconds = sum(collective_seconds(kind, v["bytes"], ranks, bandwidth) for kind, v in kinds.items()
                           if kind not in ("send", "recv"))
@@ -165,11 +192,10 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
                 exposed_p2p += message * (spec.pp * cfg.parallel.pp_stages_per_rank - 1)  # fill or drain
                 hidden += p2p
             comm_s[dim] = comm_s.get(dim, 0.0) + seconds
-            if dim == "pp":
-                continue
-            if phase != "optimizer" and (dim in OVERLAPPED or dim.startswith("group of ")):
+            place = step_place(dim, phase)
+            if place == "hidden":
                 hidden += seconds
-            else:
+            elif place == "exposed":
                 exposed += seconds
     exposed += max(0.0, hidden - compute)
     fraction = bubble_fraction(cfg.parallel.pp_schedule, spec.pp, cfg.parallel.pp_stages_per_rank, t.micro_batches)

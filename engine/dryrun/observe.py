@@ -34,6 +34,7 @@ class Observation:
     at_peak: dict[str, int]
     comm: dict = field(default_factory=dict)
     phase_peaks: dict[str, int] = field(default_factory=dict)  # the largest total in each phase
+    step_log: record.StepLog | None = None  # traced steps only; not in the JSON report, whose size it would multiply
 
     def as_dict(self) -> dict:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
@@ -65,9 +66,10 @@ def _fold(snapshot: dict) -> tuple[int, dict[str, int]]:
     return total, parts
 
 
-def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
+def observe_step(model, cfg, dims, device, fake: bool, trace: bool = False) -> Observation:
     """Build the optimizer, bring it to its steady state, then run and observe one step
-    of the engine's train_step on a batch of this rank's shape."""
+    of the engine's train_step on a batch of this rank's shape; `trace`: with its order
+    (record.StepLog)."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     create_optimizer_state(model, optimizer)
     t = cfg.training
@@ -75,6 +77,7 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     inputs = torch.zeros(rows, length, dtype=torch.long, device=device)
     targets = torch.zeros(rows, length, dtype=torch.long, device=device)
     table = record.CommTable()
+    log = record.StepLog() if trace else None
     grads = {}
     roots = parts_of(model)  # each pipeline stage's part is an FSDP root of its own
     tracker = torch_internals.memory_tracker(roots, optimizer)
@@ -92,8 +95,8 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     pipelined = hasattr(model, "pipeline")
     warmup = torch_internals.pipeline_warmup_without_messages() if pipelined else nullcontext()
     released = torch_internals.fake_stage_outputs_released() if pipelined and fake else nullcontext()
-    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake) as phase, warmup, \
-            released, (shapes_only() if fake else nullcontext()):
+    with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake, log) as phase, \
+            warmup, released, (shapes_only() if fake else nullcontext()):
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),
@@ -102,4 +105,4 @@ def observe_step(model, cfg, dims, device, fake: bool) -> Observation:
     peak, at_peak = _fold(tracker.get_tracker_snapshot("peak"))
     return Observation(param_bytes=record.param_bytes(model), grad_bytes=grads["bytes"],
                        optimizer_bytes=record.optimizer_bytes(optimizer), peak_bytes=peak, at_peak=at_peak,
-                       comm=table.as_dict(), phase_peaks=dict(tracker.phase_peaks))
+                       comm=table.as_dict(), phase_peaks=dict(tracker.phase_peaks), step_log=log)

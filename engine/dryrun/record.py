@@ -14,12 +14,18 @@ are counted by the same rules:
   micro-batch) or `optimizer` (the loss mean, the gradient norm, the update);
   point-to-point messages between pipeline stages are `pipeline`;
 - state bytes are the local shards' element counts times their element sizes.
+
+Asked to (`--dry-run --trace`), it also keeps the step's order in a StepLog: each
+collective as it is issued, and between them the FLOPs of the matmuls and attention
+kernels this rank ran (engine/dryrun/trace.py lays them out on a timeline).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -173,6 +179,83 @@ class CommTable:
         return out
 
 
+@dataclass
+class Compute:
+    """FLOPs run between two collectives, within one phase."""
+    phase: str
+    flops: int
+
+
+@dataclass
+class Collective:
+    """One collective, as issued: what CommTable adds up."""
+    phase: str
+    dim: str
+    kind: str
+    bytes: int
+
+
+class StepLog:
+    """One rank's step in the order it ran: Collective and Compute entries."""
+
+    def __init__(self):
+        self.events: list[Compute | Collective] = []
+
+    def compute(self, phase: str, flops: int) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, Compute) and last.phase == phase:
+            last.flops += flops
+        else:
+            self.events.append(Compute(phase, flops))
+
+    def collective(self, phase: str, dim: str, kind: str, nbytes: int) -> None:
+        self.events.append(Collective(phase, dim, kind, nbytes))
+
+
+@functools.cache
+def _flop_counts() -> dict:
+    """Op -> a function of its arguments that gives the FLOPs this rank runs in it, by
+    torch's own formulas (torch.utils.flop_counter). The dry run's fake tensors live on the
+    CPU, where attention runs the CPU flash kernels; those have no formula of their own,
+    and take the same leading arguments (the output's gradient first, in backward; then
+    query, key and value) as the CUDA flash kernels whose formulas they borrow."""
+    from torch.utils.flop_counter import flop_registry
+    aten = torch.ops.aten
+    counts = {op: _matmul(flop_registry[op]) for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}
+    counts[aten._scaled_dot_product_flash_attention_for_cpu] = _attention(
+        flop_registry[aten._scaled_dot_product_flash_attention], leading=0)
+    counts[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _attention(
+        flop_registry[aten._scaled_dot_product_flash_attention_backward], leading=1)
+    return counts
+
+
+def _matmul(formula):
+    def count(args) -> int:
+        return formula(*(torch_internals.local_shape(a) if isinstance(a, torch.Tensor) else a for a in args))
+    return count
+
+
+def _attention(formula, leading: int):
+    """`leading`: the arguments before the query. Key and value are counted with the
+    query's heads: under grouped-query attention each of their heads serves several query
+    heads, and the kernel multiplies by it once for each."""
+    def count(args) -> int:
+        shapes = [torch_internals.local_shape(a) for a in args[:leading + 3]]
+        heads = shapes[leading][1]
+        key, value = ((shape[0], heads, *shape[2:]) for shape in shapes[leading + 1:])
+        return formula(*shapes[:leading + 1], key, value)
+    return count
+
+
+def matmul_flops(func, args) -> int:
+    """The FLOPs of a matmul or attention op on this rank's tensors (a DTensor's local
+    shard: the op DTensor runs on it), 0 for any other op, and for one on meta tensors:
+    that is shape inference (a pipeline runs the whole model's head on meta to learn its
+    logits' shape), not the step's work."""
+    count = _flop_counts().get(func.overloadpacket)
+    return count(args) if count and args[0].device.type != "meta" else 0
+
+
 def _recorder_class():
     base = torch_internals.dispatch_mode_base()
 
@@ -190,8 +273,11 @@ def _recorder_class():
             kind = collective_kind(func)
             if kind is not None:
                 phase = "pipeline" if kind in POINT_TO_POINT else self.phase.phase
-                self.table.add(self._dim(args, kwargs), phase, kind, collective_bytes(kind, args))
+                self.count(phase, self._dim(args, kwargs), kind, collective_bytes(kind, args))
             return func(*args, **kwargs)
+
+        def count(self, phase: str, dim: str, kind: str, nbytes: int) -> None:
+            self.table.add(dim, phase, kind, nbytes)
 
         def _dim(self, args, kwargs) -> str:
             # c10d ops take the group as a boxed ScriptObject; functional collectives take
@@ -207,7 +293,25 @@ def _recorder_class():
                 self.dim_of_name[name] = self.groups.get(ranks, f"group of {len(ranks)}")
             return self.dim_of_name[name]
 
-    return Recorder
+    class TracingRecorder(Recorder):
+        """A Recorder that also logs the step's order (StepLog); its own class, so that a
+        step that is not traced looks at no op's FLOPs."""
+
+        def __init__(self, *args, log: StepLog):
+            super().__init__(*args)
+            self.log = log
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flops = matmul_flops(func, args)
+            if flops:
+                self.log.compute(self.phase.phase, flops)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def count(self, phase: str, dim: str, kind: str, nbytes: int) -> None:
+            super().count(phase, dim, kind, nbytes)
+            self.log.collective(phase, dim, kind, nbytes)
+
+    return Recorder, TracingRecorder
 
 
 def _isolation_class():
@@ -275,9 +379,9 @@ def isolated_collectives(fake: bool, device: torch.device):
 
 
 @contextmanager
-def recording(dims, table: CommTable, fake: bool):
-    """Count the collectives run inside; yields the phase tracker (`.phase`, and
-    `.optimizer()` to mark the optimizer phase)."""
+def recording(dims, table: CommTable, fake: bool, log: StepLog | None = None):
+    """Count the collectives run inside (and with `log`, log the step's order); yields the
+    phase tracker (`.phase`, and `.optimizer()` to mark the optimizer phase)."""
     from torch.distributed.pipelining import PipelineStage
 
     phase = _Phase()
@@ -294,7 +398,9 @@ def recording(dims, table: CommTable, fake: bool):
 
     with ExitStack() as stack:
         stack.enter_context(phase)
-        stack.enter_context(_recorder_class()(phase, mesh_groups(dims), table, fake, named_groups(dims)))
+        recorder, tracing = _recorder_class()
+        watch = (phase, mesh_groups(dims), table, fake, named_groups(dims))
+        stack.enter_context(recorder(*watch) if log is None else tracing(*watch, log=log))
         stack.enter_context(mock.patch.object(PipelineStage, "perform_reduce_grad", in_backward))
         yield phase
 

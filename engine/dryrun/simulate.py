@@ -183,8 +183,9 @@ def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0, rank: int =
         return observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
 
 
-def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
-    """One step of `spec` on `world_size` ranks; `n_layers` > 0 builds that many blocks."""
+def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False) -> DryRunResult:
+    """One step of `spec` on `world_size` ranks; `n_layers` > 0 builds that many blocks;
+    `trace`: each simulated step keeps its order (Observation.step_log)."""
     from engine.metrics.throughput import flops_per_token
     from engine.train import build_optimizer
     from models import build_on_meta
@@ -207,7 +208,7 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0) -> DryRunResult:
             with fake_mode:
                 to_fake(model)
                 if observed is None:
-                    observed = observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
+                    observed = observe_step(model, cfg, dims, torch.device("cpu"), fake=True, trace=trace)
                     params, optim = observed.param_bytes, observed.optimizer_bytes
                     stage_roles.append(stage_role(model, pp_rank, observed, fpt, cfg, spec, profile))
                 else:

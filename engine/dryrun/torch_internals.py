@@ -9,9 +9,10 @@ an observed step leaves out (pipeline_warmup_without_messages); autograd's own w
 whether a backward is running (in_autograd_backward); and, from torch 2.15, a pipeline
 stage's rule for releasing sent outputs, which the dry run applies to fake tensors as a
 real run does to real ones (fake_stage_outputs_released). A real run measured against
-it (gloo, on the CPU) also needs c10d's Work. `check_supported()` imports what each
-needs, so a torch that moved one fails before anything runs, with the name of what is
-missing.
+it (gloo, on the CPU) also needs c10d's Work. A traced step (--trace) reads a DTensor's
+local shard to count the FLOPs this rank runs (local_shape). `check_supported()`
+imports what each needs, so a torch that moved one fails before anything runs, with the
+name of what is missing.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ NEEDED_ATTRIBUTES = (("torch._C._distributed_c10d", "ProcessGroup", "unbox"),
                      # The order of a rank's forwards and backwards (schedule_actions).
                      ("torch.distributed.pipelining.schedules", "Schedule1F1B", "_get_pipeline_order"),
                      ("torch.distributed.pipelining.schedules", "ScheduleInterleaved1F1B",
-                      "_calculate_single_rank_operations"))
+                      "_calculate_single_rank_operations"),
+                     # A traced step's FLOPs on this rank's shard (local_shape).
+                     ("torch.distributed.tensor", "DTensor", "_local_tensor"))
 # A pipeline schedule's warm-up (pipeline_warmup_without_messages): one of these, by version
 # (2.13 and 2.14; 2.15; 2.11).
 PIPELINE_WARMUP = (("torch.distributed.pipelining.schedules", "_PipelineSchedule", "_warmup_p2p"),
@@ -322,6 +325,14 @@ def group_ranks(name: str) -> tuple[int, ...]:
     import torch.distributed as dist
     return tuple(dist.get_process_group_ranks(_load("torch.distributed.distributed_c10d",
                                                     "_resolve_process_group")(name)))
+
+
+def local_shape(tensor):
+    """The shape of this rank's part of a tensor: of a DTensor, its local shard's, read from
+    the shard itself (to_local() is an autograd function, which a dispatch mode running
+    below autograd would dispatch a view through)."""
+    from torch.distributed.tensor import DTensor
+    return tensor._local_tensor.shape if isinstance(tensor, DTensor) else tensor.shape
 
 
 def storage_key(storage) -> int:
