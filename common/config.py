@@ -154,6 +154,9 @@ class DryRunConfig:
     gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
     top: int = 5  # --plan-for: how many of the best layouts to print as command lines
     pp: str = "1,2,4,8,16"  # --plan-for: the pipeline sizes to search, comma-separated ("1": no pipeline)
+    # --plan-for: processes that run the search jobs side by side; 0: one per CPU core, at most 4 (each holds
+    # a few GB at 405B: 3.2 to 4.5 GB resident, docs/planning.md)
+    search_workers: int = 0
 
 
 @dataclass
@@ -251,6 +254,7 @@ RANGES = {
     ("dryrun", "compute_efficiency"): Range(0, 1, low_open=True, meaning="the fraction of peak the matmuls reach"),
     ("dryrun", "gpu_memory_gib"): POSITIVE,
     ("dryrun", "top"): POSITIVE,
+    ("dryrun", "search_workers"): Range(0, 256, meaning="0 takes one per CPU core, at most 4"),
 }
 
 

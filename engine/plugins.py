@@ -1,5 +1,7 @@
 """Imports the user's modules named by model.plugin, so that they can register their
-own models (models.register_model) and plans (parallel.plan.register_plan)."""
+own models (models.register_model) and plans (parallel.plan.register_plan), and registers
+the flavor of a Hugging Face checkpoint being imported: what a process must do before it
+builds the configured model (the launcher, and each --plan-for search worker)."""
 
 from __future__ import annotations
 
@@ -22,3 +24,17 @@ def load_plugins(names: str) -> None:
         except ImportError as err:
             raise UserError(f"model.plugin {name!r} cannot be imported ({err}). Give a module path "
                             f"importable from the working directory, e.g. my_project.my_plan.") from None
+
+
+def register_model_sources(cfg) -> None:
+    """What the model and plan names may refer to: the built-in plans, the plugins, and
+    the flavor of an HF checkpoint being imported (its config.json's shapes)."""
+    import parallel  # noqa: F401  (registers the built-in plans)
+    load_plugins(cfg.model.plugin)
+    hf_import = cfg.checkpoint.hf_import
+    if hf_import:
+        from engine.checkpoint.hf import register_hf_flavor
+        if cfg.checkpoint.init_from:
+            raise UserError(f"checkpoint.hf_import and checkpoint.init_from both give the starting "
+                            f"weights ({hf_import!r}, {cfg.checkpoint.init_from!r}). Keep one.")
+        cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)

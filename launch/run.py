@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
 from common.config import load_config  # noqa: E402
 from common.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
                            NonFiniteLoss, UserError)
+from engine.plugins import register_model_sources  # noqa: E402
 from launch.exits import leave_crash, leave_error, prepare_forked_rank, ranks_print_errors, run_agent  # noqa: E402
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
@@ -75,21 +76,6 @@ def under_torchrun() -> bool:
 
 def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
-
-
-def register_model_sources(cfg) -> None:
-    """What the model and plan names may refer to: the built-in plans, the plugins, and
-    the flavor of an HF checkpoint being imported (its config.json's shapes)."""
-    import parallel  # noqa: F401  (registers the built-in plans)
-    from engine.plugins import load_plugins
-    load_plugins(cfg.model.plugin)
-    hf_import = cfg.checkpoint.hf_import
-    if hf_import:
-        from engine.checkpoint.hf import register_hf_flavor
-        if cfg.checkpoint.init_from:
-            raise UserError(f"checkpoint.hf_import and checkpoint.init_from both give the starting "
-                            f"weights ({hf_import!r}, {cfg.checkpoint.init_from!r}). Keep one.")
-        cfg.model.flavor = register_hf_flavor(cfg.model.name, hf_import)
 
 
 def check(args: argparse.Namespace, world_size: int | None):

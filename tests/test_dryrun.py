@@ -295,6 +295,13 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     assert speeds == sorted(speeds, reverse=True)
     assert all(layout["peak_bytes"] <= 0.9 * 0.025 * 1024 ** 3 for layout in fits)
     assert all("usable" in layout["reason"] and layout["peak_bytes"] > 0.9 * 0.025 * 1024 ** 3 for layout in dropped)
+    # The default searches meshes in 2 processes here (2 cores); one process finds the same.
+    alone = tmp_path / "alone.json"
+    result_alone = launcher("--plan-for", "--world", "4", "--set", "training.seq_len=64", "--set",
+                            "training.global_batch=8", "--set", "dryrun.gpu_memory_gib=0.025", "--set",
+                            "dryrun.search_workers=1", "--set", f"dryrun.report={alone}")
+    assert result_alone.returncode == 0, result_alone.stderr[-3000:]
+    assert json.loads(alone.read_text())["layouts"] == data["layouts"]
     best = next(line for line in result.stdout.splitlines() if line.strip().startswith("python launch/run.py"))
     args = shlex.split(best.strip())[2:]
     trained = launcher(*args, "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
@@ -416,3 +423,22 @@ def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monke
     layout = search.Layout(MeshSpec(dp=2, pp=4), "true", "full", 4)
     outcome = search.evaluate_layout(None, layout, 8, 8, 1.0, None, usable=10)
     assert simulated == [5, 50] and outcome.estimate is None and outcome.peak_bytes == 50
+
+
+@pytest.mark.parametrize("dim", ["pp", "pp_tie"])
+def test_a_tied_weights_gradient_across_stages_adds_to_the_step(dim):
+    """The sum of a tied weight's gradient over its first and last stage (the pp group at
+    pp=2, its own group of 2 beyond) runs after the backward, and the step waits for it
+    (no process group: a made-up observation)."""
+    from common.config import load_config
+    from engine.dryrun.estimate import collective_seconds, device_profile, estimate_step
+    from tests.dryrun_worker import REPO
+
+    cfg = load_config(str(REPO / "configs" / "debug.yaml"), ["parallel.mesh=pp=4,dp=2", "training.micro_batches=4"])
+    spec, profile = parse_mesh("pp=4,dp=2").resolve(8), device_profile(cfg.dryrun)
+    messages = {"pp": {"pipeline": {"send": {"count": 8, "bytes": 2 ** 20}, "recv": {"count": 8, "bytes": 2 ** 20}}}}
+    tied = {**messages, dim: {**messages.get(dim, {}), "forward": {"all_reduce": {"count": 1, "bytes": 2 ** 27}}}}
+    before, after = (estimate_step(comm, 1e6, cfg, spec, profile) for comm in (messages, tied))
+    ranks = 4 if dim == "pp" else 2
+    added = collective_seconds("all_reduce", 2 ** 27, ranks, profile.intra_node_bytes_s)
+    assert after.step_s - before.step_s == pytest.approx(added) and added > 0

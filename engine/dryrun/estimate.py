@@ -13,8 +13,9 @@ collective bytes, and this turns them into seconds under stated assumptions:
   its group fits in one node and at the inter-node bandwidth otherwise;
 - FSDP's collectives (dp, dp x cp, hsdp and integer-reshard groups) overlap with
   compute, so only what exceeds the compute time shows; tensor-parallel, context-parallel
-  (the attention's key/value all-gathers wait for their result) and optimizer-phase
-  collectives sit on the critical path and add in full.
+  (the attention's key/value all-gathers wait for their result), optimizer-phase and the
+  pipeline group's collectives (a tied weight's gradient summed over its first and last
+  stage after the backward; the loss's scalars) sit on the critical path and add in full.
 
 Under pipeline parallel a rank computes only its stages (their FLOPs per token: 6 per
 weight they multiply by, and their blocks' share of the attention term), and the step
@@ -91,6 +92,8 @@ def group_span(dim: str, spec) -> tuple[int, int]:
         return spec.hsdp * spec.shard_size, spec.world_size // spec.pp
     if dim == "pp":  # outermost: neighbouring stages are a whole stage of ranks apart
         return spec.pp, spec.world_size
+    if dim == "pp_tie":  # a tied weight's first and last pipeline ranks
+        return 2, spec.world_size
     if dim.startswith("group of "):  # an integer-reshard group: k consecutive ranks of FSDP's shard group
         size = int(dim.split()[-1])
         return size, size * spec.tp
@@ -102,7 +105,7 @@ def group_link(dim: str, spec, profile: Profile) -> tuple[int, float]:
     intra-node link where the group's members lie within one node, the inter-node one
     otherwise."""
     ranks, span = group_span(dim, spec)
-    if dim == "pp":  # neighbours a stage of ranks apart share a node only if a stage fits in less than one
+    if dim in ("pp", "pp_tie"):  # ranks a stage of ranks apart share a node only if a stage fits in less than one
         in_node = spec.world_size // spec.pp < profile.gpus_per_node
     else:
         in_node = span <= profile.gpus_per_node
@@ -110,14 +113,12 @@ def group_link(dim: str, spec, profile: Profile) -> tuple[int, float]:
 
 
 def step_place(dim: str, phase: str) -> str:
-    """Where a dimension's collectives of a phase count in the step: "hidden" for FSDP's
-    forward and backward ones, which overlap compute (only what exceeds it shows);
-    "pipeline" for the pipeline group's, whose messages count through the fill and drain
-    (exposed_p2p_s) and whose other collectives (the loss's and the gradient norm's
-    scalars; with pp=2, a tied embedding's gradient) are left out; "exposed" for the
-    rest, which the step waits for."""
-    if dim == "pp":
-        return "pipeline"
+    """Where a dimension's collectives (other than point-to-point messages, which count
+    through the pipeline's fill and drain: exposed_p2p_s) count in the step: "hidden" for
+    FSDP's forward and backward ones, which overlap compute (only what exceeds it shows);
+    "exposed" for the rest, which the step waits for: tp and cp, the optimizer phase's,
+    and the pipeline group's (the loss's and the gradient norm's scalars, and a tied
+    weight's gradient, summed over its first and last stage after the backward)."""
     if phase != "optimizer" and (dim in OVERLAPPED or dim.startswith("group of ")):
         return "hidden"
     return "exposed"
@@ -188,9 +189,9 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
                           if kind not in ("send", "recv"))
             if "send" in kinds or "recv" in kinds:
                 p2p, message = p2p_seconds(kinds, bandwidth)
-                seconds += p2p
                 exposed_p2p += message * (spec.pp * cfg.parallel.pp_stages_per_rank - 1)  # fill or drain
                 hidden += p2p
+                comm_s[dim] = comm_s.get(dim, 0.0) + p2p
             comm_s[dim] = comm_s.get(dim, 0.0) + seconds
             place = step_place(dim, phase)
             if place == "hidden":

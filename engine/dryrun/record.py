@@ -100,6 +100,9 @@ def mesh_groups(dims) -> dict[tuple[int, ...], str]:
         if size > 1:
             groups.setdefault(torch_internals.group_ranks(dims.world.get_group(dim).group_name), dim)
     groups.setdefault(torch_internals.group_ranks(dims.data.get_group().group_name), "data")
+    if dims.spec.pp > 2:  # a tied weight's first and last pipeline ranks (parallel/pipeline.py: _holder_group)
+        stages = torch_internals.group_ranks(dims.world.get_group("pp").group_name)
+        groups.setdefault((stages[0], stages[-1]), "pp_tie")
     return groups
 
 

@@ -111,7 +111,7 @@ def render(result, cfg) -> str:
     lines += ["", f"step time (analytic, {profile.name}: {profile.peak_flops / 1e12:.0f} TFLOP/s at "
               f"{profile.compute_efficiency:.0%}, {profile.intra_node_bytes_s / 1e9:.0f} GB/s in a node, "
               f"{profile.inter_node_bytes_s / 1e9:.0f} GB/s between nodes of {profile.gpus_per_node}; "
-              f"FSDP traffic overlaps compute, TP, CP and optimizer traffic does not)",
+              f"FSDP traffic overlaps compute; TP, CP, the pipeline group's and the optimizer's does not)",
               "  comm per dim: " + ", ".join(f"{d} {_time(s)}" for d, s in e.comm_s.items())]
     if result.stage_roles:
         lines.append(f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} + bubble "

@@ -68,7 +68,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import multiprocessing
+import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -477,27 +480,70 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[int, Outcome]) -> lis
 
 
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
-    """Every layout searched, best first: those that fit by tokens/s, then the others."""
+    """Every layout searched, best first: those that fit by tokens/s, then the others.
+    Each mesh's layouts with one pipeline schedule make a job (search_job); the jobs run
+    side by side in `dryrun.search_workers` processes (search_workers), those of the
+    pipelines with most stages, the longest to simulate, first. `report` sees each job's
+    outcomes when it is done, and the result does not depend on the number of workers."""
+    if cfg.dryrun.gpu_memory_gib <= 0:
+        raise UserError(f"dryrun.gpu_memory_gib={cfg.dryrun.gpu_memory_gib}: give the GPU's memory in GiB, e.g. 80.")
+    device_profile(cfg.dryrun)  # refused here, before any worker starts
+    jobs = [(spec, schedule) for spec in meshes(cfg, world, depth)
+            for schedule in (PIPELINE_SCHEDULES if spec.pp > 1 else PIPELINE_SCHEDULES[:1])]
+    found = {}
+    with search_workers(cfg, len(jobs)) as run:
+        ordered = sorted(enumerate(jobs), key=lambda job: -job[1][0].pp)
+        for index, outcomes in run(functools.partial(search_job, cfg, world, depth, fpt), ordered):
+            for outcome in outcomes:
+                report(outcome)
+            found[index] = outcomes
+    outcomes = [outcome for index in range(len(jobs)) for outcome in found[index]]
+    fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))
+    return fits + [o for o in outcomes if not o.estimate]
+
+
+def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int, list[Outcome]]:
+    """(the job's index, the outcomes of its layouts in the order simulated): one mesh with
+    one pipeline schedule (and stages per rank; without pp, the one ladder), every reshard
+    setting, least memory first (first_fit's `beyond`)."""
+    index, (spec, (schedule, per_rank)) = job
     dry = cfg.dryrun
-    profile = device_profile(dry)
-    if dry.gpu_memory_gib <= 0:
-        raise UserError(f"dryrun.gpu_memory_gib={dry.gpu_memory_gib}: give the GPU's memory in GiB, e.g. 80.")
-    usable = dry.gpu_memory_gib * GIB * (1 - HEADROOM)
-    outcomes = []
+    profile, usable = device_profile(dry), dry.gpu_memory_gib * GIB * (1 - HEADROOM)
     sequence_parallel = offers_sequence_parallel(cfg)
 
     def evaluate(layout: Layout) -> Outcome:
         return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
 
-    for spec in meshes(cfg, world, depth):
-        rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-        beyond = {}  # (schedule, stages per rank) -> first_fit's `beyond`, across reshard settings
-        for reshard in reshard_options(spec, dry.gpus_per_node):
-            for ladder in ladders(spec, reshard, sequence_parallel, rows):
-                runs = [layout for layout in ladder if runnable(cfg, layout, depth)]
-                key = (ladder[0].schedule, ladder[0].stages_per_rank)
-                for outcome in first_fit(runs, evaluate, beyond.setdefault(key, {})):
-                    report(outcome)
-                    outcomes.append(outcome)
-    fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))
-    return fits + [o for o in outcomes if not o.estimate]
+    outcomes, beyond = [], {}
+    rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
+    for reshard in reshard_options(spec, dry.gpus_per_node):
+        for ladder in ladders(spec, reshard, sequence_parallel, rows):
+            if spec.pp == 1 or (ladder[0].schedule, ladder[0].stages_per_rank) == (schedule, per_rank):
+                outcomes += first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate,
+                                      beyond)
+    return index, outcomes
+
+
+@contextmanager
+def search_workers(cfg, jobs: int):
+    """A map over search jobs, in completion order: in this process for one worker, else
+    in a pool of spawned processes (a fork would copy torch's threads and this process's
+    fake process group), each of which first registers the config's plugins and imported
+    flavor as the launcher did (engine.plugins.register_model_sources) and simulates with
+    one thread, as the cores are shared out by process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = cfg.dryrun.search_workers or min(4, cores)
+    workers = min(workers, jobs)
+    if workers <= 1:
+        yield map
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_start_worker, initargs=(cfg,)) as pool:
+        yield lambda function, jobs: pool.imap_unordered(function, jobs)
+
+
+def _start_worker(cfg) -> None:
+    import torch
+    from engine.plugins import register_model_sources
+    torch.set_num_threads(1)
+    register_model_sources(cfg)

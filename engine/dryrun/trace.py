@@ -11,7 +11,8 @@ printed report tell the same story:
 - a collective takes `collective_seconds` over the link that `group_link` picks, and a
   point-to-point message `message_seconds`;
 - the collectives the estimate puts on the critical path (tensor and context parallel,
-  and every optimizer-phase one) sit on the compute track, which waits for them;
+  the pipeline group's, such as a tied weight's gradient, and every optimizer-phase one)
+  sit on the compute track, which waits for them;
 - FSDP's forward and backward collectives, which the estimate hides under compute, run
   on a track of their own, each starting when it was issued, after the one before it;
   the pipeline's sends and receives likewise, each direction on its own track;
@@ -24,10 +25,7 @@ printed report tell the same story:
   optimizer's collectives. A queue that would still run past that span (traffic issued
   late in the backward, or more of it than fits after its issue) is moved earlier, last
   collective first, as if issued sooner: the estimate assumes the traffic hides anywhere
-  under compute. Such a collective's `issued_us` says when the rank issued it;
-- the pipeline group's other collectives, which the estimate leaves out (the loss's and
-  the gradient norm's scalars; with pp=2, a tied embedding's gradient), get a track of
-  their own, "not in the estimate", ending by the end of the step.
+  under compute. Such a collective's `issued_us` says when the rank issued it.
 
 So each role's trace ends at its own estimate's `step_s`; the printed step is the
 slowest role's, which paces the pipeline.
@@ -44,9 +42,8 @@ from engine.dryrun.estimate import collective_seconds, device_profile, group_lin
 from engine.dryrun.record import POINT_TO_POINT, Compute
 
 FORWARD_SHARE = 1 / 3  # a forward's share of a micro-batch's compute, its backward taking twice as long
-COMPUTE, FSDP, SENDS, RECEIVES, PIPELINE_GROUP = ("compute", "FSDP (overlaps compute)", "pp send", "pp recv",
-                                                  "pp group (not in the estimate)")
-TRACKS = (COMPUTE, FSDP, SENDS, RECEIVES, PIPELINE_GROUP)
+COMPUTE, FSDP, SENDS, RECEIVES = "compute", "FSDP (overlaps compute)", "pp send", "pp recv"
+TRACKS = (COMPUTE, FSDP, SENDS, RECEIVES)
 
 
 @dataclass
@@ -121,8 +118,7 @@ def lay_out(log, estimate, spec, profile) -> list[Span]:
         if place == "exposed":
             on_compute_track(name, "collective", seconds, **args)
         else:
-            track = FSDP if place == "hidden" else PIPELINE_GROUP
-            queues[track].add(Span(track, name, "collective", now, seconds, args))
+            queues[FSDP].add(Span(FSDP, name, "collective", now, seconds, args))
 
     fill = estimate.bubble_s * FORWARD_SHARE
     on_compute_track("bubble (fill)", "bubble", fill, fraction_of_compute=estimate.bubble_fraction * FORWARD_SHARE)
@@ -140,7 +136,6 @@ def lay_out(log, estimate, spec, profile) -> list[Span]:
         queues[track].settle(now)
     for event in events[first_update:]:
         run(event)
-    queues[PIPELINE_GROUP].settle(now)
     return spans + [span for queue in queues.values() for span in queue.spans]
 
 
