@@ -187,12 +187,12 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
         for phase, kinds in phases.items():
             seconds = sum(collective_seconds(kind, v["bytes"], ranks, bandwidth) for kind, v in kinds.items()
                           if kind not in ("send", "recv"))
+            p2p = 0.0
             if "send" in kinds or "recv" in kinds:
                 p2p, message = p2p_seconds(kinds, bandwidth)
                 exposed_p2p += message * (spec.pp * cfg.parallel.pp_stages_per_rank - 1)  # fill or drain
                 hidden += p2p
-                comm_s[dim] = comm_s.get(dim, 0.0) + p2p
-            comm_s[dim] = comm_s.get(dim, 0.0) + seconds
+            comm_s[dim] = comm_s.get(dim, 0.0) + seconds + p2p
             place = step_place(dim, phase)
             if place == "hidden":
                 hidden += seconds
