@@ -258,20 +258,20 @@ RANGES = {
 }
 
 
-# Text keys that hold comma-separated positive whole numbers: (may be empty, what to give).
+# Text keys that hold comma-separated whole numbers: (may be empty, the least number, what to give).
 _LISTS = {
-    ("parallel", "pp_split"): (True, "the blocks of each pipeline stage, comma-separated positive whole numbers "
-                                     "(e.g. 3,2,2,3), or nothing for the even split"),
-    ("dryrun", "pp"): (False, "the pipeline sizes --plan-for searches, comma-separated positive whole numbers "
-                              "(e.g. 1,2,4,8,16; 1 alone: no pipeline parallel)"),
+    ("parallel", "pp_split"): (True, 0, "the blocks of each pipeline stage, comma-separated whole numbers (e.g. "
+                                        "3,2,2,3; 0 only for a first or last stage), or nothing for the even split"),
+    ("dryrun", "pp"): (False, 1, "the pipeline sizes --plan-for searches, comma-separated positive whole numbers "
+                                 "(e.g. 1,2,4,8,16; 1 alone: no pipeline parallel)"),
 }
 
 
-def _is_list_of_positive(value: str, may_be_empty: bool) -> bool:
+def _is_list_of_whole(value: str, may_be_empty: bool, least: int) -> bool:
     if not value.strip():
         return may_be_empty
     parts = [part.strip() for part in value.split(",")]
-    return all(part.isascii() and part.isdigit() and 0 < int(part) <= INT64 for part in parts)
+    return all(part.isascii() and part.isdigit() and least <= int(part) <= INT64 for part in parts)
 
 
 def _fields(cls) -> dict[str, tuple[type, object]]:
@@ -334,8 +334,8 @@ def _set(cfg: Config, dotted: str, value) -> None:
         meaning = f" ({allowed.meaning})" if allowed.meaning else ""
         raise UserError(f"config key {dotted} must be {number} {allowed}{largest}{meaning}, but got {value!r}.")
     form = _LISTS.get((section_name, key))
-    if form is not None and not _is_list_of_positive(value, form[0]):
-        raise UserError(f"config key {dotted} is {value!r}; give {form[1]}.")
+    if form is not None and not _is_list_of_whole(value, form[0], form[1]):
+        raise UserError(f"config key {dotted} is {value!r}; give {form[2]}.")
     if isinstance(value, str) and "\x00" in value:
         raise UserError(f"config key {dotted} holds a NUL character ({value!r}), which no name or path can hold.")
     setattr(section, key, value)

@@ -90,7 +90,7 @@ class ParityRun:
         reference = build_reference(cfg, self.device) if self.rank0 and pc.reference else None
         self.describe(model, reference)
         self.compare_weights(model, reference, "initial weights (bitwise)", initial=True)
-        layout_hook = self.record_post_forward_layout(parts_of(model)[0], applied.blocks[0])
+        layout_hook = self.record_post_forward_layout(model, applied.blocks[0]) if applied.blocks else None
 
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
         self.ids_group = host_group() if isinstance(self.source, TokenSource) else None
@@ -107,7 +107,7 @@ class ParityRun:
                                 self.dims.data.get_group(), cfg.training.micro_batches,
                                 inspect_grads=self.compare_step0_gradients if step == 0 else None,
                                 loss=loss_for(cfg.parallel))
-            if step == 0:
+            if step == 0 and layout_hook is not None:
                 layout_hook.remove()
             row["loss"], row["grad_norm"] = result.loss, result.grad_norm
             rows.append(row)
@@ -256,7 +256,11 @@ class ParityRun:
 
     def record_post_forward_layout(self, model, first_block: str):
         """The first block's parameter layouts once the whole forward is done, i.e. after the
-        block's post-forward reshard: what an integer reshard_after_forward changes."""
+        block's post-forward reshard: what an integer reshard_after_forward changes. Hooked
+        on the part that holds the block (a first stage may hold only the embedding; a rank
+        whose stages hold no block records none)."""
+        model = next(part for part in parts_of(model) if first_block in dict(part.named_modules()))
+
         def hook(module, inputs, output):
             block = model.get_submodule(first_block)
             self.report.setdefault("post_forward_layout", {

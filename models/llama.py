@@ -64,13 +64,14 @@ FLAVORS = {
 
 # Llama 3.1's long-context models: the same parameters, 131,072 positions and its rope
 # scaling (factor 8, low and high frequency factors 1 and 4, from 8,192 positions), as in
-# their config.json. Checkpoints of 8B and 70B hold the same tensors, so they load here
+# their config.json. Checkpoints of 8B, 70B and 405B hold the same tensors, so they load here
 # (checkpoint.init_from) for long-context training. 8B-1M stretches the same scaling to
 # 1,048,576 positions (factor 128): a shape to plan million-token runs with
 # (docs/planning.md), not a published model.
 LLAMA_3_1_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
 FLAVORS["8B-128K"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
 FLAVORS["70B-128K"] = dataclasses.replace(FLAVORS["70B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
+FLAVORS["405B-128K"] = dataclasses.replace(FLAVORS["405B"], max_seq_len=131072, rope_scaling=LLAMA_3_1_ROPE_SCALING)
 FLAVORS["8B-1M"] = dataclasses.replace(FLAVORS["8B"], max_seq_len=1048576, rope_scaling=(128.0, 1.0, 4.0, 8192))
 # The debug model with room for long sequences: context parallelism's runs on a CPU.
 FLAVORS["debug-32K"] = dataclasses.replace(FLAVORS["debug"], max_seq_len=32768)

@@ -6,7 +6,9 @@ pp x `parallel.pp_stages_per_rank` stages. The first stage also holds the plan's
 `stages.first` modules (the embedding), the last its `stages.last` (final norm, output
 projection). By default the split is as even as it can be when the embedding and the
 output layer each count as one block of work; `parallel.pp_split` gives the blocks of
-each stage instead. Every stage holds at least one block.
+each stage instead. Every stage holds at least one block, except the first and the
+last, which may hold only the embedding and the output layer when there are more
+stages than blocks (as Llama 3 405B's 126 blocks ran in 16 x 8 stages).
 
 Stages and ranks. Looped schedules give pp rank r the stages r, r + pp, r + 2pp, ...;
 the V-shaped one (ZBVZeroBubble) gives it r and 2pp - 1 - r, so rank 0 holds both the
@@ -59,10 +61,15 @@ DOCS = "docs/parallelism.md, \"Pipeline parallel\""
 
 # -- the split ------------------------------------------------------------------------------
 
-def even_split(blocks: int, stages: int) -> list[int]:
-    """Blocks per stage, at least one each, minimising the largest stage when the first
-    stage also carries the embedding and the last the output layer, one block of work
-    each. Each block goes to the lightest stage (the earliest among equals)."""
+def even_split(blocks: int, stages: int, ends: tuple[bool, bool] = (False, False)) -> list[int]:
+    """Blocks per stage, minimising the largest stage when the first stage also carries the
+    embedding and the last the output layer, one block of work each. Each block goes to
+    the lightest stage (the earliest among equals). Every stage holds at least one block,
+    except that with more stages than blocks an end that `ends` allows (first, last) holds
+    only its embedding or output layer: Llama 3 405B's 126 blocks in 128 stages."""
+    empty = [stage for stage, allowed in ((0, ends[0]), (stages - 1, ends[1])) if allowed][:max(0, stages - blocks)]
+    if stages > blocks and len(empty) == stages - blocks:  # the output is the heavier end: it keeps a block first
+        return [0 if stage in empty else 1 for stage in range(stages)]
     counts = [1] * stages
     extra = [0] * stages
     extra[0] += 1
@@ -73,25 +80,37 @@ def even_split(blocks: int, stages: int) -> list[int]:
     return counts
 
 
-def blocks_per_stage(blocks: int, pp: int, per_rank: int, explicit: str = "") -> list[int]:
-    """The split: `parallel.pp_split` when given, else the even one. UserError if it cannot be."""
+def empty_ends(stages: Stages | None) -> tuple[bool, bool]:
+    """Which end stages may hold no block: those that hold modules of their own."""
+    return (bool(stages.first), bool(stages.last)) if stages is not None else (False, False)
+
+
+def blocks_per_stage(blocks: int, pp: int, per_rank: int, explicit: str = "",
+                     ends: tuple[bool, bool] = (False, False)) -> list[int]:
+    """The split: `parallel.pp_split` when given, else the even one. UserError if it cannot
+    be. `ends`: whether the first and the last stage may hold no block (empty_ends)."""
     stages = pp * per_rank
+    most = blocks + sum(ends)
     if not explicit:
-        if stages > blocks:
+        if stages > most:
             raise UserError(
                 f"pp={pp} x parallel.pp_stages_per_rank={per_rank} = {stages} pipeline stages, but the model "
-                f"has {blocks} blocks and every stage needs at least one. Use a pp (times stages per rank) of "
-                f"at most {blocks}, or a deeper model (parity.layers for --parity).")
-        return even_split(blocks, stages)
+                f"has {blocks} blocks and every stage needs at least one (the first and the last may hold only "
+                f"the embedding and the output layer). Use a pp (times stages per rank) of at most {most}, or a "
+                f"deeper model (parity.layers for --parity).")
+        return even_split(blocks, stages, ends)
     try:
         counts = [int(part) for part in explicit.split(",")]
     except ValueError:
         counts = []
-    if len(counts) != stages or min(counts, default=0) < 1 or sum(counts) != blocks:
+    least = [0 if (stage == 0 and ends[0]) or (stage == stages - 1 and ends[1]) else 1 for stage in range(stages)]
+    if len(counts) != stages or any(c < low for c, low in zip(counts, least)) or sum(counts) != blocks:
+        ends_note = " (0 allowed for the first and the last stage, which hold the embedding and the output layer)"
         raise UserError(
             f"parallel.pp_split={explicit!r} must give the blocks of each of the {stages} stages (pp={pp} x "
-            f"parallel.pp_stages_per_rank={per_rank}), comma-separated, at least 1 each and {blocks} in all, "
-            f"for example {','.join(map(str, even_split(blocks, stages))) if stages <= blocks else '...'} "
+            f"parallel.pp_stages_per_rank={per_rank}), comma-separated, at least 1 each"
+            f"{ends_note if any(ends) else ''} and {blocks} in all, "
+            f"for example {','.join(map(str, even_split(blocks, stages, ends))) if stages <= most else '...'} "
             f"(the even split, which leaving pp_split empty gives).")
     return counts
 
@@ -137,7 +156,8 @@ def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches
         raise UserError(f"parallel.pp_schedule={schedule} loops over several stages per rank, but parallel."
                         f"pp_stages_per_rank=1. Set it to 2 or more, or use GPipe or 1F1B.")
     _check_stages_cover_the_model(plan, model)
-    split = blocks_per_stage(len(expand(model, plan.blocks, plan.name)), pp, per_rank, options.pp_split)
+    split = blocks_per_stage(len(expand(model, plan.blocks, plan.name)), pp, per_rank, options.pp_split,
+                             empty_ends(plan.stages))
     if schedule in ZERO_BUBBLE and (options.reshard_after_forward is not False or options.root_reshard_after_forward):
         raise UserError(f"parallel.pp_schedule={schedule} splits each backward into input and weight gradients, "
                         f"which gives wrong weight gradients for blocks resharded after forward (torch looks "
@@ -282,7 +302,7 @@ def split_part(model: nn.Module, plan: Plan, block_paths: list[str], stage: int,
 def stage_blocks(model: nn.Module, plan: Plan, pp: int, options) -> list[list[str]]:
     """The block paths of each stage."""
     paths = expand(model, plan.blocks, plan.name)
-    counts = blocks_per_stage(len(paths), pp, options.pp_stages_per_rank, options.pp_split)
+    counts = blocks_per_stage(len(paths), pp, options.pp_stages_per_rank, options.pp_split, empty_ends(plan.stages))
     starts = [sum(counts[:stage]) for stage in range(len(counts))]
     return [paths[start:start + count] for start, count in zip(starts, counts)]
 

@@ -43,8 +43,9 @@ FACTORS: dict[str, tuple] = {
     # step-0 loss is also checked against transformers' (tests/test_combinations.py).
     "weights": ("seed", "hf", "hf-tied"),
     # Blocks per pipeline stage: the even split, or parallel.pp_split with the first stage
-    # heavier (UNEVEN_SPLITS).
-    "pp_split": ("even", "uneven"),
+    # heavier (UNEVEN_SPLITS), or with end stages that hold only the embedding or the
+    # output layer (ENDS_SPLITS).
+    "pp_split": ("even", "uneven", "ends"),
     # parallel.recompute_cheap: norms, SwiGLU's products and sequence parallel's gathers
     # recomputed in backward per sublayer, in the blocks activation checkpointing leaves.
     "recompute_cheap": (False, True),
@@ -75,6 +76,8 @@ LAYERS, PIPELINE_LAYERS, STEPS = 2, 4, 3  # 4 blocks: 2 stages per rank at pp=2 
 # splits would be 2,2 and 2,3,2,1 (parallel/pipeline.py: even_split). Two stages per rank
 # take 8 blocks, debug-deep's depth, which the dry run of a row also builds.
 UNEVEN_SPLITS = {1: ("3,1", 4), 2: ("5,1,1,1", 8)}
+ENDS_SPLITS = {1: ("0,4", 4), 2: ("0,2,2,0", 4)}
+SPLITS = {"uneven": UNEVEN_SPLITS, "ends": ENDS_SPLITS}
 DEBUG_LAYERS = 4  # the debug flavor's blocks; deeper rows with seeded weights take debug-deep
 ZERO_BUBBLE = ("ZBVZeroBubble",)
 
@@ -108,9 +111,9 @@ def allowed(row: dict) -> bool:
         return False
     if row.get("weights", "seed") != "seed" and row.get("param_dtype") == "bfloat16":
         return False
-    # An uneven split needs a pipeline: a row that names no schedule yet is held to what
+    # A split of its own needs a pipeline: a row that names no schedule yet is held to what
     # every schedule needs.
-    pipeline = row.get("pipeline", "any" if row.get("pp_split") == "uneven" else "off")
+    pipeline = row.get("pipeline", "off" if row.get("pp_split", "even") == "even" else "any")
     if pipeline == "off":
         return row.get("pp_split", "even") == "even"
     if row.get("mesh") == "hsdp-dp-tp" or row.get("reshard_after_forward") == "2":
@@ -175,7 +178,7 @@ def stages_per_rank(row: dict) -> int:
 def layers_of(row: dict) -> int:
     if row["pipeline"] == "off":
         return LAYERS
-    return UNEVEN_SPLITS[stages_per_rank(row)][1] if row["pp_split"] == "uneven" else PIPELINE_LAYERS
+    return SPLITS[row["pp_split"]][stages_per_rank(row)][1] if row["pp_split"] != "even" else PIPELINE_LAYERS
 
 
 def hf_folder(root, row: dict):
@@ -206,7 +209,8 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
                 "reshard_after_forward", "param_dtype", "offload", "recompute_cheap")
     pipeline = row["pipeline"]
     stages = (f"parallel.pp_schedule={pipeline}", f"parallel.pp_stages_per_rank={stages_per_rank(row)}",
-              *((f"parallel.pp_split={UNEVEN_SPLITS[stages_per_rank(row)][0]}",) if row["pp_split"] == "uneven" else ()))
+              *((f"parallel.pp_split={SPLITS[row['pp_split']][stages_per_rank(row)][0]}",)
+                if row["pp_split"] != "even" else ()))
     return (*(f"parallel.{key}={lower.get(row[key], row[key])}" for key in parallel),
             *(stages if pipeline != "off" else ()),
             f"training.micro_batches={row['micro_batches']}",
@@ -218,10 +222,10 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
 
 
 # The pair order whose rows cost least to run, of orders 0 to 39: 24 rows, 5 of them
-# compiled, 5 on 8 ranks and 1 on 16 (order 21 gives 21 rows, but 2 of them on 16 ranks).
+# compiled, 5 on 8 ranks and 1 on 16 (order 6 gives 21 rows, but 2 of them on 16 ranks).
 # Rows above 4 ranks and compiled rows cost the most on 2 cores; `python -m tests.combinations --orders 40` prints each
 # order's rows, compiled rows and ranks in all.
-ROW_ORDER = 11
+ROW_ORDER = 35
 ROWS = generate(order=ROW_ORDER)
 
 

@@ -97,7 +97,8 @@ def extrapolation(layouts, out: Path) -> None:
         world_size = spec.world_size
         p = cfg.parallel
         layout = Layout(spec, str(p.reshard_after_forward).lower(), p.activation_checkpoint,
-                        cfg.training.micro_batches, schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank)
+                        cfg.training.micro_batches, schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank,
+                        recompute_cheap=p.recompute_cheap)
         depth = model_args(cfg.model.name, cfg.model.flavor).n_layers
         if spec.pp == 1:
             pairs = [(observe_rank_zero(cfg, spec, world_size), observe(cfg, layout, world_size, depth))]

@@ -170,10 +170,10 @@ def test_reshard_between_context_parallel_degrees(context_parallel_source, tmp_p
 
 
 def test_long_context_flavors_load_the_short_flavors_checkpoints():
-    """8B-128K and 70B-128K hold the same tensors as 8B and 70B (only positions and rope
+    """8B-128K, 70B-128K and 405B-128K hold the same tensors as 8B, 70B and 405B (only positions and rope
     scaling differ), so the short flavors' checkpoints and exports load into them."""
     from engine.checkpoint.store import state_dict_shapes
-    for short, long in (("8B", "8B-128K"), ("70B", "70B-128K"), ("8B", "8B-1M")):
+    for short, long in (("8B", "8B-128K"), ("70B", "70B-128K"), ("405B", "405B-128K"), ("8B", "8B-1M")):
         assert state_dict_shapes(build_on_meta("llama", short)) == state_dict_shapes(build_on_meta("llama", long))
 
 

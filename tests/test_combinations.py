@@ -19,7 +19,7 @@ from itertools import combinations
 
 import pytest
 
-from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, STEPS, UNEVEN_SPLITS, ZERO_BUBBLE, _pairs,
+from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, SPLITS, STEPS, ZERO_BUBBLE, _pairs,
                                 all_pairs, allowed, hf_folder, layers_of, mesh_of, overrides, stages_per_rank)
 from parallel.mesh import parse_mesh
 from parallel.pipeline import runs_on_backend
@@ -36,7 +36,7 @@ def test_every_pair_of_values_appears_in_some_row():
     covered = set().union(*(_pairs(row) for row in ROWS))
     assert set(all_pairs()) <= covered
     assert all(allowed(row) for row in ROWS)
-    assert (len(ROWS), len(all_pairs())) == (24, 973)  # docs/parallelism.md quotes both
+    assert (len(ROWS), len(all_pairs())) == (24, 1014)  # docs/parallelism.md quotes both
 
 
 def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
@@ -47,7 +47,7 @@ def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
                 + len(schedules) * 2  # a schedule x (hsdp x dp x tp, or an integer reshard): 8 ranks or more
                 + len(ZERO_BUBBLE) * 4  # zero bubble x (reshard true, compile, op-level AC, recompute_cheap)
                 + 1  # 1F1B x one micro-batch, fewer than its 2 stages
-                + 3  # an uneven split x (no pipeline, hsdp x dp x tp, or an integer reshard)
+                + 3 * 2  # an uneven or ends split x (no pipeline, hsdp x dp x tp, or an integer reshard)
                 + 2  # imported weights (untied or tied) x bf16
                 + 1)  # compile x hsdp x dp x tp, 8 ranks
     assert possible - len(all_pairs()) == left_out
@@ -143,8 +143,8 @@ def test_combination_row_passes_parity(row_report, index, tmp_path, hf_root):
     assert len(report["gradient_digests"]) == layers * 9 + 3 - one_output
     if row["pipeline"] != "off":
         assert report["pipeline"]["schedule"] == row["pipeline"]
-        if row["pp_split"] == "uneven":
-            split = UNEVEN_SPLITS[stages_per_rank(row)][0]
+        if row["pp_split"] != "even":
+            split = SPLITS[row["pp_split"]][stages_per_rank(row)][0]
             assert [len(blocks) for blocks in report["pipeline"]["blocks_per_stage"]] == \
                 [int(n) for n in split.split(",")]
     if row["weights"] != "seed":

@@ -52,6 +52,22 @@ def test_even_split_counts_the_embedding_and_the_output_as_a_block(blocks, stage
     assert max(loads) - min(loads) <= 1
 
 
+def test_end_stages_hold_only_the_embedding_and_the_output_when_the_stages_outnumber_the_blocks():
+    """Llama 3 405B's 126 blocks ran in pp=16 x 8 stages: the first stage held the embedding
+    alone, the last the output layer (arXiv 2407.21783, section 3.3.2)."""
+    both = (True, True)
+    assert blocks_per_stage(126, 16, 8, ends=both) == [0] + [1] * 126 + [0]
+    assert blocks_per_stage(4, 5, 1, ends=both) == [0, 1, 1, 1, 1]  # the output is the heavier end
+    assert blocks_per_stage(4, 2, 2, "0,2,2,0", ends=both) == [0, 2, 2, 0]
+    assert blocks_per_stage(4, 2, 2, ends=both) == even_split(4, 4)  # no empty end while there are blocks enough
+    assert blocks_per_stage(4, 5, 1, ends=(False, True)) == [1, 1, 1, 1, 0]  # a plan with nothing first
+    for bad in (lambda: blocks_per_stage(4, 5, 1),  # a plan without stage modules of its own
+                lambda: blocks_per_stage(4, 2, 2, "0,2,2,0", ends=(False, False)),
+                lambda: blocks_per_stage(4, 7, 1, ends=both)):
+        with pytest.raises(UserError):
+            bad()
+
+
 def test_stages_of_each_rank_loop_or_v():
     assert [stages_of_rank(r, 4, 2, "Interleaved1F1B") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [stages_of_rank(r, 4, 2, "ZBVZeroBubble") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -74,9 +90,9 @@ def refused(*args: str) -> str:
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--mesh", "pp=8"], ["8 pipeline stages, but the model has 4 blocks", "at most 4"]),
-    (["--mesh", "pp=2", "--set", "parallel.pp_schedule=Interleaved1F1B", "--set", "parallel.pp_stages_per_rank=2",
-      "--parity", "--set", "parity.layers=2"], ["4 pipeline stages, but the model has 2 blocks"]),
+    (["--mesh", "pp=8"], ["8 pipeline stages, but the model has 4 blocks", "at most 6"]),
+    (["--mesh", "pp=2", "--set", "parallel.pp_schedule=Interleaved1F1B", "--set", "parallel.pp_stages_per_rank=3",
+      "--parity", "--set", "parity.layers=2"], ["6 pipeline stages, but the model has 2 blocks"]),
     (["--mesh", "pp=2"], ["training.micro_batches=1", "1F1B", "at least one per stage, 2", "GPipe"]),
     (["--mesh", "pp=2", "--set", "parallel.pp_schedule=Interleaved1F1B", "--set", "parallel.pp_stages_per_rank=2",
       "--set", "training.micro_batches=5", "--set", "training.global_batch=20"], ["a multiple of 2"]),
@@ -93,6 +109,9 @@ def refused(*args: str) -> str:
      ["selective activation checkpointing"]),
     (["--mesh", "pp=2", "--set", "training.micro_batches=2", "--set", "parallel.pp_split=1,2"],
      ["pp_split='1,2'", "2 stages", "4 in all", "for example 2,2"]),
+    (["--mesh", "pp=2", "--set", "parallel.pp_schedule=Interleaved1F1B", "--set", "parallel.pp_stages_per_rank=2",
+      "--set", "training.micro_batches=2", "--set", "parallel.pp_split=2,0,1,1"],
+     ["pp_split='2,0,1,1'", "0 allowed for the first and the last stage"]),
     (["--mesh", "pp=2", "--set", "training.micro_batches=2", "--set", "model.plugin=tests.pipeline_plans",
       "--set", "parallel.plan=llama_without_stages"], ["does not say how its model splits", "stages=Stages"]),
     (["--mesh", "pp=2", "--set", "training.micro_batches=2", "--set", "model.plugin=tests.pipeline_plans",

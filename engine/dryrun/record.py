@@ -75,13 +75,16 @@ def _bytes(value) -> int:
 
 
 def collective_bytes(kind: str, args) -> int:
-    """The full buffer: an all-gather's output (its first argument), a reduce-scatter's input
-    (its second for c10d and its first for functional ops), otherwise the tensor itself."""
+    """The full buffer: an all-gather's output (c10d's first argument; a functional one,
+    which TP's DTensors use, takes only its input and the group size), a reduce-scatter's
+    input (its second for c10d and its first for functional ops), otherwise the tensor
+    itself."""
     tensors = [a for a in args if isinstance(a, (torch.Tensor, list, tuple))]
-    if kind == "reduce_scatter" and len(tensors) >= 2:
+    if kind in ("reduce_scatter", "all_gather") and len(tensors) >= 2:
         return max(_bytes(tensors[0]), _bytes(tensors[1]))
-    if kind == "all_gather" and len(tensors) >= 2:
-        return max(_bytes(tensors[0]), _bytes(tensors[1]))
+    if kind == "all_gather" and tensors:
+        group_size = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 1)
+        return _bytes(tensors[0]) * group_size
     return _bytes(tensors[0]) if tensors else 0
 
 

@@ -19,9 +19,13 @@ What is searched, and why not more:
   plan has a sequence-parallel variant;
 - reshard_after_forward: true, the node-local group size when dp spans more than one
   node, and false (least memory first);
-- activation checkpointing none, op, selective, full, then micro-batches 1, 2, 4, 8:
-  for each mesh and reshard setting the search stops at the first that fits, since
-  the later ones recompute or re-gather more and are never faster in the step model.
+- activation checkpointing none, none with `parallel.recompute_cheap` (norms, SwiGLU's
+  products and sequence parallel's gathers recomputed: less recompute than op, and at
+  tp with sequence parallelism less memory too, for a second all-gather per sublayer),
+  op, selective, full,
+  then micro-batches 1, 2, 4, 8: for each mesh and reshard setting the search stops at
+  the first that fits, since the later ones recompute or re-gather more and are never
+  faster in the step model.
   After the first, each micro-batch count is tried with full AC before the others, as
   that needs least memory at that count: when it does not fit, the count's other layouts
   are not simulated, with this reshard setting nor with the later ones, which keep more
@@ -31,8 +35,10 @@ What is searched, and why not more:
   offered;
 - pipeline parallel: pp in `dryrun.pp` (1, 2, 4, 8, 16 by default; 1 alone leaves it
   out), outermost (each stage then takes tp and
-  FSDP as above over world / pp ranks), with 1F1B and Interleaved1F1B (2 stages per
-  rank) and as many micro-batches as each data rank has sequences (1F1B keeps at most pp
+  FSDP as above over world / pp ranks), with 1F1B, Interleaved1F1B with 2 stages per
+  rank, and Interleaved1F1B with about one block per stage, up to MOST_STAGES_PER_RANK
+  (the end stages then may hold only the embedding and the output layer, as Llama 3
+  405B's did: pipeline_schedules), and as many micro-batches as each data rank has sequences (1F1B keeps at most pp
   of them in flight whatever their number, and more of them shrink the bubble). GPipe
   is left out (it keeps every micro-batch in flight for 1F1B's bubble), and so are the
   zero-bubble schedules, which the dry run cannot simulate (simulate.refuse_split_backward).
@@ -82,7 +88,8 @@ from common.errors import UserError
 from parallel.mesh import MeshSpec
 
 GIB = 1024 ** 3
-AC_MODES = ("none", "op", "selective", "full")
+# (activation_checkpoint, recompute_cheap), from least recompute to most.
+AC_MODES = (("none", False), ("none", True), ("op", False), ("selective", False), ("full", False))
 MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.10  # of GPU memory, for what is not a tensor: allocator, NCCL, CUDA context
 CP_MIN_TOKENS = 8192  # the shortest slice of a sequence a cp rank is given in the search
@@ -90,6 +97,9 @@ SHORT_CANDIDATES = 12  # the short pipelines with fewest micro-batches whose com
 
 
 PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))  # (schedule, stages per rank)
+# And Interleaved1F1B with about one block per stage, the smallest bubble, up to this many
+# stages per rank (Llama 3 405B: 8 at pp=16, its first and last stage without a block).
+MOST_STAGES_PER_RANK = 8
 
 
 @dataclass
@@ -101,6 +111,7 @@ class Layout:
     sequence_parallel: bool = True  # with tp > 1: off for a plan without a sequence-parallel variant
     schedule: str = "1F1B"  # with pp > 1
     stages_per_rank: int = 1
+    recompute_cheap: bool = False
 
     def overrides(self) -> list[str]:
         tp = self.spec.tp > 1
@@ -109,6 +120,7 @@ class Layout:
                     if self.spec.pp > 1 else [])
         return [f"parallel.reshard_after_forward={self.reshard}",
                 f"parallel.activation_checkpoint={self.activation_checkpoint}",
+                f"parallel.recompute_cheap={str(self.recompute_cheap).lower()}",
                 f"training.micro_batches={self.micro_batches}", f"parallel.sequence_parallel={str(sp).lower()}",
                 f"parallel.loss_parallel={str(tp).lower()}", "parallel.param_dtype=bfloat16",
                 "parallel.reduce_dtype=float32", *pipeline]
@@ -298,7 +310,7 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
                   and (t.seq_len // spec.cp) % sequence_split == 0)
     if spec.pp == 1:
         return fits_batch
-    return (fits_batch and spec.pp * layout.stages_per_rank <= depth
+    return (fits_batch and spec.pp * layout.stages_per_rank <= most_stages(cfg, depth)
             and not micro_batches_needed(layout.schedule, spec.pp, layout.stages_per_rank, layout.micro_batches))
 
 
@@ -308,12 +320,12 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator
     from engine.dryrun.estimate import stage_flops_per_token
     from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
-    from parallel.pipeline import blocks_per_stage, stages_of_rank, stage_blocks
+    from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank, stage_blocks
     from parallel.plan import get_plan
 
     spec, per_rank = layout.spec, layout.stages_per_rank
-    split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split)
     plan, whole = get_plan(cfg.parallel.plan), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
+    split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split, empty_ends(plan.stages))
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
     for pp_rank in pipeline_ranks(cfg, spec, depth):
         held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
@@ -349,12 +361,16 @@ def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_
                    blocks: list[int]) -> Observation:
     """The step of pipeline rank `rank` in a pipeline of `size` ranks with the layout's other
     dimensions, over `micro_batches` micro-batches of the layout's size; the stages it holds
-    have `blocks` blocks, each of the others one (they are not simulated)."""
+    have `blocks` blocks, each of the others one, or none at an end that may be empty (they
+    are not simulated; the whole then has no more blocks than the model)."""
     from engine.dryrun.simulate import observe_rank_zero
-    from parallel.pipeline import stages_of_rank
+    from parallel.pipeline import empty_ends, stages_of_rank
+    from parallel.plan import get_plan
 
     spec, per_rank = dataclasses.replace(layout.spec, pp=size), layout.stages_per_rank
+    first, last = empty_ends(get_plan(cfg.parallel.plan).stages)
     split = [1] * (size * per_rank)
+    split[0], split[-1] = int(not first), int(not last)
     for stage, count in zip(stages_of_rank(rank, size, per_rank, layout.schedule), blocks):
         split[stage] = count
     data = spec.hsdp * spec.dp
@@ -435,14 +451,35 @@ def solve(columns: list[tuple], target: tuple) -> list[Fraction] | None:
     return [rows[i][-1] / rows[i][i] for i in range(len(columns))]
 
 
-def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int) -> list[list[Layout]]:
+def most_stages(cfg, depth: int) -> int:
+    """The most pipeline stages a model of `depth` blocks splits into: one block each, and
+    the end stages none where the plan lets them (parallel.pipeline.empty_ends)."""
+    from parallel.pipeline import empty_ends
+    from parallel.plan import get_plan
+    return depth + sum(empty_ends(get_plan(cfg.parallel.plan).stages))
+
+
+def pipeline_schedules(cfg, pp: int, depth: int) -> list[tuple[str, int]]:
+    """The (schedule, stages per rank) searched at this pp: PIPELINE_SCHEDULES, and the
+    looped schedule with as many stages as the blocks allow, up to MOST_STAGES_PER_RANK,
+    when that is more than 2 (the end stages may hold no block: parallel/pipeline.py)."""
+    if pp == 1:
+        return list(PIPELINE_SCHEDULES[:1])
+    most = min(MOST_STAGES_PER_RANK, most_stages(cfg, depth) // pp)
+    return [*PIPELINE_SCHEDULES, *([("Interleaved1F1B", most)] if most > 2 else [])]
+
+
+def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int,
+            schedules=PIPELINE_SCHEDULES) -> list[list[Layout]]:
     """One mesh and reshard setting's layouts, in ladders climbed to their first fit: without
     pp, the AC modes each with micro-batches 1, 2, 4, 8; with pp, the AC modes for each
     schedule, every sequence its own micro-batch (module docstring)."""
     if spec.pp == 1:
-        return [[Layout(spec, reshard, ac, micro, sequence_parallel) for ac in AC_MODES for micro in MICRO_BATCHES]]
-    return [[Layout(spec, reshard, ac, max(1, rows), sequence_parallel, schedule, per_rank) for ac in AC_MODES]
-            for schedule, per_rank in PIPELINE_SCHEDULES]
+        return [[Layout(spec, reshard, ac, micro, sequence_parallel, recompute_cheap=cheap)
+                 for ac, cheap in AC_MODES for micro in MICRO_BATCHES]]
+    return [[Layout(spec, reshard, ac, max(1, rows), sequence_parallel, schedule, per_rank, cheap)
+             for ac, cheap in AC_MODES]
+            for schedule, per_rank in schedules]
 
 
 def first_fit(ladder: list[Layout], evaluate, beyond: dict[int, Outcome]) -> list[Outcome]:
@@ -489,10 +526,10 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
         raise UserError(f"dryrun.gpu_memory_gib={cfg.dryrun.gpu_memory_gib}: give the GPU's memory in GiB, e.g. 80.")
     device_profile(cfg.dryrun)  # refused here, before any worker starts
     jobs = [(spec, schedule) for spec in meshes(cfg, world, depth)
-            for schedule in (PIPELINE_SCHEDULES if spec.pp > 1 else PIPELINE_SCHEDULES[:1])]
+            for schedule in pipeline_schedules(cfg, spec.pp, depth)]
     found = {}
     with search_workers(cfg, len(jobs)) as run:
-        ordered = sorted(enumerate(jobs), key=lambda job: -job[1][0].pp)
+        ordered = sorted(enumerate(jobs), key=lambda job: -job[1][0].pp * job[1][1][1])
         for index, outcomes in run(functools.partial(search_job, cfg, world, depth, fpt), ordered):
             for outcome in outcomes:
                 report(outcome)
@@ -517,10 +554,8 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
     for reshard in reshard_options(spec, dry.gpus_per_node):
-        for ladder in ladders(spec, reshard, sequence_parallel, rows):
-            if spec.pp == 1 or (ladder[0].schedule, ladder[0].stages_per_rank) == (schedule, per_rank):
-                outcomes += first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate,
-                                      beyond)
+        for ladder in ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)]):
+            outcomes += first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond)
     return index, outcomes
 
 

@@ -112,14 +112,14 @@ def pipeline_ranks(cfg, spec, n_layers: int = 0) -> dict[int, list[int]]:
     the first or the last. The ranks after it in a role hold the same state and no more
     micro-batches in flight (fewer, under 1F1B), so its peak bounds theirs."""
     from models import build_on_meta
-    from parallel.pipeline import blocks_per_stage, stages_of_rank
+    from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank
     from parallel.plan import expand, get_plan
 
     if spec.pp == 1:
         return {0: [0]}
     plan, options = get_plan(cfg.parallel.plan), cfg.parallel
     blocks = len(expand(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), plan.blocks, plan.name))
-    counts = blocks_per_stage(blocks, spec.pp, options.pp_stages_per_rank, options.pp_split)
+    counts = blocks_per_stage(blocks, spec.pp, options.pp_stages_per_rank, options.pp_split, empty_ends(plan.stages))
     roles: dict[tuple, list[int]] = {}
     for rank in range(spec.pp):
         stages = stages_of_rank(rank, spec.pp, options.pp_stages_per_rank, options.pp_schedule)

@@ -61,7 +61,8 @@ def _pipeline(report: dict) -> list[str]:
     pipeline = report.get("pipeline")
     if not pipeline:
         return []
-    stages = " | ".join(",".join(block.rsplit(".", 1)[-1] for block in blocks) for blocks in pipeline["blocks_per_stage"])
+    stages = " | ".join(",".join(block.rsplit(".", 1)[-1] for block in blocks) or "-"
+                        for blocks in pipeline["blocks_per_stage"])
     return [f"pipeline: {pipeline['schedule']}, {len(pipeline['blocks_per_stage'])} stages "
             f"({pipeline['stages_per_rank']} per rank), blocks by stage {stages}, "
             f"{report['micro_batches']} micro-batches"]
