@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU, as it is: the tests that need CUDA, then the throughput
-# benchmark beside torchtitan with the dry run's predictions of the same steps. Results go
-# to OUT (default runs/gpu-bench): cuda-tests.log, throughput*.json/md.
+# On a machine with a CUDA GPU, as it is: the tests that need CUDA (float8 parity rows
+# among them), then the throughput benchmark beside torchtitan, bf16 and float8, with the
+# dry run's predictions of the same steps. Results go to OUT (default runs/gpu-bench):
+# cuda-tests.log, throughput*.json/md.
 #
 #   bench/gpu.sh [OUT]
 #
 # The environment (.venv-gpu) sees the interpreter's own packages, its CUDA build of torch
 # among them, and installs only what is missing (TORCHTITAN_SPEC, default torchtitan==0.2.2,
-# the newest release that imports on torch 2.11). Set PYTHON to choose the interpreter;
-# STAGES to run a subset of "tests throughput eager".
+# the newest release that imports on torch 2.11; torchao for float8): from PyPI, or on a
+# machine without a network from the wheels in WHEELS (default .whl, where present). Set
+# PYTHON to choose the interpreter; STAGES to run a subset of "tests throughput eager"
+# (default "tests throughput"); SHAPES, VARIANTS and ROUNDS for the throughput stage
+# (bench/gpu_throughput.py --shapes, --variants, --rounds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-bench}
 PYTHON=${PYTHON:-python3}
 TORCHTITAN_SPEC=${TORCHTITAN_SPEC:-torchtitan==0.2.2}
-STAGES=${STAGES:-tests throughput eager}
+STAGES=${STAGES:-tests throughput}
+WHEELS=${WHEELS:-.whl}
+SHAPES=${SHAPES:-8B:4:8192:1}
+VARIANTS=${VARIANTS:-torchtitan,engine+keep,engine+float8-tensorwise+keep,torchtitan+float8-tensorwise,engine+float8-rowwise+keep,torchtitan+float8-rowwise}
+ROUNDS=${ROUNDS:-1}
 ENV=.venv-gpu
 PY=$ENV/bin/python
 mkdir -p "$OUT"
@@ -37,12 +45,17 @@ if [ ! -x "$PY" ]; then
 fi
 missing=()
 for pair in einops:einops yaml:pyyaml tensorboard:tensorboard numpy:numpy pytest:pytest hypothesis:hypothesis \
-            transformers:transformers tokenizers:tokenizers safetensors:safetensors "torchtitan:$TORCHTITAN_SPEC"; do
+            transformers:transformers tokenizers:tokenizers safetensors:safetensors "torchao:torchao>=0.18" \
+            "torchtitan:$TORCHTITAN_SPEC"; do
     "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     stage "installing ${missing[*]}"
-    "$PY" -m pip install -q "${missing[@]}" || exit 1
+    if [ -d "$WHEELS" ]; then  # no network: every wheel in WHEELS, their dependencies among them
+        "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl || exit 1
+    else
+        "$PY" -m pip install -q "${missing[@]}" || exit 1
+    fi
 fi
 "$PY" - <<'EOF' | tee "$OUT/environment.txt"
 import torch
@@ -59,7 +72,8 @@ if [[ " $STAGES " == *" tests "* ]]; then
 fi
 if [[ " $STAGES " == *" throughput "* ]]; then
     stage "throughput with torch.compile, engine beside torchtitan, and the dry run's predictions"
-    "$PY" bench/gpu_throughput.py --out "$OUT/compiled" --predict || status=1
+    "$PY" bench/gpu_throughput.py --out "$OUT/compiled" --predict --shapes "$SHAPES" --variants "$VARIANTS" \
+        --rounds "$ROUNDS" || status=1
 fi
 if [[ " $STAGES " == *" eager "* ]]; then
     stage "throughput without compile (the dry run simulates eager blocks)"

@@ -1,7 +1,7 @@
 """Tokens/s, MFU and peak memory of a training step on one GPU: the engine beside
 torchtitan on the same shapes, and the dry run's prediction of the engine's step.
 
-usage: python bench/gpu_throughput.py --out DIR [--rounds 2] [--steps 10] [--shapes ...]
+usage: python bench/gpu_throughput.py --out DIR [--rounds 2] [--steps 10] [--shapes ...] [--variants ...]
 
 Each measurement is its own process (a fresh CUDA context and compile caches that only
 the inductor disk cache carries over), and the runners alternate shape by shape,
@@ -19,11 +19,19 @@ FFN width, vocabulary and depth.
   bf16 (on one GPU torchtitan does not apply fully_shard), sum cross-entropy over the
   tokens, clip_grad_norm_, optimizer and scheduler steps.
 
+A variant is a runner and its options, `+`-separated (`--variants`; default "engine,torchtitan"):
+`float8-tensorwise` or `float8-rowwise` converts the blocks' linears to torchao's Float8Linear
+(the engine through parallel.float8; torchtitan through its float8 model converter with the
+same recipe, leaving its output projection alone as the engine does), and for the engine
+`keep` keeps each block's bf16 weights from forward to backward
+(parallel.reshard_after_forward=false), where on one rank a reshard saves no communication
+and costs a second cast and copy of every weight in backward.
+
 Both run without activation checkpointing. After the warm-up steps, `--steps` steps are
 timed from one device synchronize to another (none in between, as in training); the
 figure is the mean step, and with several rounds the median of the rounds' means. MFU is the
 engine's FLOPs per token (6 x matmul weights + 12 x layers x dim x seq, the same count
-for both models) times tokens/s over the GPU's dense bf16 peak. Peak memory is
+for both models) times tokens/s over the GPU's dense bf16 peak, float8 runs too. Peak memory is
 torch.cuda.max_memory_allocated over the timed steps.
 """
 
@@ -46,6 +54,30 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DEFAULT_SHAPES = "1B:16:2048:4,1B:16:8192:1,8B:4:2048:4,8B:4:8192:1"
+DEFAULT_VARIANTS = "engine,torchtitan"
+OPTIONS = ("float8-tensorwise", "float8-rowwise", "keep")
+
+
+@dataclass(frozen=True)
+class Variant:
+    runner: str
+    options: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        runner, *options = text.split("+")
+        if runner not in ("engine", "torchtitan") or any(o not in OPTIONS for o in options) \
+                or ("keep" in options and runner != "engine"):
+            raise SystemExit(f"variant {text!r}: give engine or torchtitan, then options from {OPTIONS} "
+                             f"joined by '+' (keep: engine only)")
+        return cls(runner, tuple(options))
+
+    @property
+    def float8(self) -> str:
+        return next((o.removeprefix("float8-") for o in self.options if o.startswith("float8-")), "none")
+
+    def __str__(self) -> str:
+        return "+".join((self.runner, *self.options))
 
 
 @dataclass(frozen=True)
@@ -120,9 +152,11 @@ def start_one_rank_group() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def engine_config(shape: Shape, compile_blocks: bool, total_steps: int):
+def engine_config(shape: Shape, compile_blocks: bool, total_steps: int, variant: Variant = Variant("engine")):
     from common.config import Config
     cfg = Config()
+    cfg.parallel.float8 = variant.float8
+    cfg.parallel.reshard_after_forward = "keep" not in variant.options
     cfg.model.flavor = shape.flavor
     cfg.parallel.mesh = "dp=1"
     cfg.parallel.device = "cuda"
@@ -134,7 +168,8 @@ def engine_config(shape: Shape, compile_blocks: bool, total_steps: int):
     return cfg
 
 
-def run_engine(shape: Shape, compile_blocks: bool, warmup: int, steps: int, profile: str = "") -> dict:
+def run_engine(shape: Shape, variant: Variant, compile_blocks: bool, warmup: int, steps: int,
+               profile: str = "") -> dict:
     import torch
 
     from engine.data.sources import build_source
@@ -144,7 +179,7 @@ def run_engine(shape: Shape, compile_blocks: bool, warmup: int, steps: int, prof
     from models.contract import vocab_size
     from parallel.mesh import parse_mesh
 
-    cfg = engine_config(shape, compile_blocks, warmup + steps + 10)  # room for --profile
+    cfg = engine_config(shape, compile_blocks, warmup + steps + 10, variant)  # room for --profile
     start_one_rank_group()
     dims, device = start_process_group(cfg, parse_mesh("dp=1").resolve(1))
     built = time.perf_counter()
@@ -178,7 +213,8 @@ def torchtitan_args(shape: Shape):
                                 rope_theta=ours.rope_theta, max_seq_len=shape.seq_len)
 
 
-def run_torchtitan(shape: Shape, compile_blocks: bool, warmup: int, steps: int, profile: str = "") -> dict:
+def run_torchtitan(shape: Shape, variant: Variant, compile_blocks: bool, warmup: int, steps: int,
+                   profile: str = "") -> dict:
     import torch
     import torch.distributed as dist
     from torchtitan.components.loss import build_cross_entropy_loss
@@ -189,6 +225,8 @@ def run_torchtitan(shape: Shape, compile_blocks: bool, warmup: int, steps: int, 
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
     from torchtitan.models.llama3.model.model import Transformer
+    import torchtitan.components.quantization  # noqa: F401  (registers the float8 converter)
+    from torchtitan.protocols.model_converter import build_model_converters
 
     start_one_rank_group()
     device = torch.device("cuda", 0)
@@ -199,6 +237,10 @@ def run_torchtitan(shape: Shape, compile_blocks: bool, warmup: int, steps: int, 
     job.training.mixed_precision_param = "bfloat16"
     job.activation_checkpoint.mode = "none"
     job.compile.enable = compile_blocks
+    if variant.float8 != "none":
+        job.model.converters = ["quantize.linear.float8"]
+        job.quantize.linear.float8.recipe_name = variant.float8
+        job.quantize.linear.float8.filter_fqns = ["output"]
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     built = time.perf_counter()
     args = torchtitan_args(shape)
@@ -206,6 +248,7 @@ def run_torchtitan(shape: Shape, compile_blocks: bool, warmup: int, steps: int, 
         model = Transformer(args)
     ffn = model.layers["0"].feed_forward.w1.weight.shape[0]
     assert ffn == args.multiple_of, f"torchtitan's FFN width {ffn} is not the flavor's {args.multiple_of}"
+    build_model_converters(job, dims).convert(model)  # as its Trainer does, before parallelize
     parallelize_llama(model, dims, job)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -238,13 +281,13 @@ def run_torchtitan(shape: Shape, compile_blocks: bool, warmup: int, steps: int, 
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def predict(shape: Shape, compile_blocks: bool) -> dict:
+def predict(shape: Shape, variant: Variant, compile_blocks: bool) -> dict:
     """The dry run of the engine's step at this shape on one H100 (CPU only, fake tensors)."""
     from engine.dryrun.simulate import simulate
     from parallel.mesh import parse_mesh
     import parallel  # noqa: F401  (registers the built-in plans)
 
-    cfg = engine_config(shape, compile_blocks, 1)
+    cfg = engine_config(shape, compile_blocks, 1, variant)
     result = simulate(cfg, parse_mesh("dp=1").resolve(1), 1, n_layers=shape.layers)
     return {"peak_bytes": result.roles[0].peak_bytes, "step_s": result.estimate.step_s,
             "compute_efficiency": cfg.dryrun.compute_efficiency, "flops_per_token": result.flops_per_token}
@@ -262,6 +305,7 @@ def child(argv: list[str], timeout: float) -> dict:
 
 
 def summarise(shape: Shape, runner: str, results: list[dict], peak_flops: float, fpt: float) -> dict:
+    """`runner`: the variant, as text."""
     good = [r for r in results if "error" not in r]
     row = {"shape": str(shape), "runner": runner, "runs": len(good), "errors": [r["error"] for r in results
                                                                                 if "error" in r]}
@@ -314,18 +358,23 @@ def orchestrate(args) -> None:
     for text in args.shapes.split(","):
         shape = Shape.parse(text)
         fpt = flops_per_token(build_on_meta("llama", shape.flavor, shape.layers), shape.seq_len)
-        results = {"engine": [], "torchtitan": []}
-        runners = list(results) if header["torchtitan"] else ["engine"]
+        variants = [v for v in map(Variant.parse, args.variants.split(","))
+                    if header["torchtitan"] or v.runner == "engine"]
+        results = {str(v): [] for v in variants}
         for _ in range(args.rounds):
-            for runner in runners:
-                result = child(["--one", runner, "--shape", str(shape), *common], args.timeout)
-                results[runner].append(result)
-                print(json.dumps({"shape": str(shape), "runner": runner, **{k: v for k, v in result.items()
-                                                                             if k != "stderr_tail"}}), flush=True)
-        shape_rows = [summarise(shape, runner, results[runner], peak, fpt) for runner in runners]
+            for variant in variants:
+                result = child(["--one", str(variant), "--shape", str(shape), *common], args.timeout)
+                results[str(variant)].append(result)
+                print(json.dumps({"shape": str(shape), "runner": str(variant),
+                                  **{k: v for k, v in result.items() if k != "stderr_tail"}}), flush=True)
+                partial = [summarise(shape, name, done, peak, fpt) for name, done in results.items() if done]
+                (out / "throughput.json").write_text(json.dumps({**header, "rows": rows + partial}, indent=1))
+        shape_rows = [summarise(shape, str(v), results[str(v)], peak, fpt) for v in variants]
         if args.predict:
-            prediction = child(["--predict", "--shape", str(shape), *common], args.timeout)
-            shape_rows[0]["predicted"] = prediction
+            for variant, row in zip(variants, shape_rows):
+                if variant.runner == "engine":
+                    row["predicted"] = child(["--predict", "--one", str(variant), "--shape", str(shape), *common],
+                                             args.timeout)
         rows.extend(shape_rows)
         (out / "throughput.json").write_text(json.dumps({**header, "rows": rows}, indent=1))
     print(render(rows, header))
@@ -356,25 +405,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/gpu-bench", help="folder for throughput.json and throughput.md")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated FLAVOR:LAYERS:SEQ_LEN:BATCH")
-    parser.add_argument("--rounds", type=int, default=2, help="processes per runner and shape, alternated")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated RUNNER[+OPTION...], runners engine and torchtitan, options {OPTIONS}")
+    parser.add_argument("--rounds", type=int, default=2, help="processes per variant and shape, alternated")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--eager", dest="compile", action="store_false", help="no torch.compile")
     parser.add_argument("--predict", action="store_true", help="also run the dry run of each engine shape")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per measurement process")
-    parser.add_argument("--one", choices=("engine", "torchtitan"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a variant
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--profile", default="", help="with --one: profile 2 more steps into this file")
     args = parser.parse_args()
     if args.shape and args.predict:
-        print(json.dumps(predict(Shape.parse(args.shape), args.compile)), flush=True)
+        print(json.dumps(predict(Shape.parse(args.shape), Variant.parse(args.one or "engine"), args.compile)),
+              flush=True)
     elif args.one:
         import warnings
         warnings.filterwarnings("ignore")
         from parallel.process_group import exit_without_teardown
-        run = run_engine if args.one == "engine" else run_torchtitan
-        print(json.dumps(run(Shape.parse(args.shape), args.compile, args.warmup, args.steps, args.profile)),
-              flush=True)
+        variant = Variant.parse(args.one)
+        run = run_engine if variant.runner == "engine" else run_torchtitan
+        print(json.dumps(run(Shape.parse(args.shape), variant, args.compile, args.warmup, args.steps,
+                             args.profile)), flush=True)
         exit_without_teardown(0)  # the result is printed
     else:
         orchestrate(args)

@@ -47,6 +47,11 @@ class ParallelConfig:
     param_dtype: str = "float32"  # float32 or bfloat16: the dtype of forward and backward
     reduce_dtype: str = "float32"  # the dtype gradients are reduced in
     offload: bool = False  # keep sharded parameters, gradients and optimizer state on the CPU
+    # Float8 matmuls in the blocks' linears through torchao (parallel/float8.py): none,
+    # tensorwise or rowwise scaling; emulated on the CPU. float8_all_gather (tensorwise
+    # only) makes FSDP all-gather those weights in float8, half the bytes of bf16.
+    float8: str = "none"
+    float8_all_gather: bool = False
     # Pipeline parallel (--mesh pp=N, docs/parallelism.md): the schedule, the stages each rank
     # holds (2 or more for the looped schedules), and an explicit split: blocks per stage,
     # comma-separated, one number per stage (empty: an even split that counts the embedding
@@ -182,6 +187,7 @@ _CHOICES = {
     ("data", "source"): ("corpus", "tokens", "synthetic"),
     ("parallel", "activation_checkpoint"): ("none", "full", "selective", "op"),
     ("parallel", "param_dtype"): ("float32", "bfloat16"),
+    ("parallel", "float8"): ("none", "tensorwise", "rowwise"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("parallel", "pp_schedule"): ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     ("checkpoint", "resume"): ("auto", "always", "never"),

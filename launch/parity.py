@@ -35,7 +35,9 @@ from engine.parity.report import format_report
 from engine.parity.reference import Reference
 from engine.train import agree_on_ids, build_optimizer, evaluate, host_group, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
+from parallel.float8 import convert_to_float8, float8_linears
 from parallel.pipeline import parts_of, whole_model
+from parallel.plan import expand, get_plan
 
 WORST = 10
 # full_tensor() of an FSDP+TP (_StridedShard) parameter logs a performance warning per
@@ -43,13 +45,27 @@ WORST = 10
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def build_reference(cfg, device) -> Reference:
+def tensorwise_slices(cfg, dims) -> int:
+    """With float8 tensorwise scaling each forward scales its activations and gradients by
+    their own largest value, so the mesh's numbers depend on the rows each forward sees:
+    one data rank's rows, one micro-batch at a time. The reference then takes the same runs
+    of rows (data ranks x micro-batches, in order), one forward each. (Context parallel
+    splits the sequences too, which no one-device forward can copy: check_parity refuses it.)"""
+    return dims.data_size * cfg.training.micro_batches if cfg.parallel.float8 == "tensorwise" else 1
+
+
+def build_reference(cfg, device, slices: int = 1) -> Reference:
     where = torch.device("cpu") if cfg.parity.reference_device == "cpu" else device
     model = single_device_model(cfg, where, cfg.parity.layers)
     compute = None
     if cfg.parallel.param_dtype != "float32":  # FSDP computes in it from fp32 masters; so does this
         compute = single_device_model(cfg, where, cfg.parity.layers, getattr(torch, cfg.parallel.param_dtype))
-    return Reference(model, cfg, compute)
+    if cfg.parallel.float8 != "none":  # the same linears in float8, with the same scaling
+        computing = compute if compute is not None else model
+        blocks = expand(computing, get_plan(cfg.parallel.plan).blocks, cfg.parallel.plan)
+        convert_to_float8(computing, float8_linears(computing, blocks), cfg.parallel.float8,
+                          all_gather=False, emulate=where.type != "cuda")
+    return Reference(model, cfg, compute, slices)
 
 
 def reference_device(reference: Reference) -> torch.device:
@@ -62,7 +78,7 @@ class ParityRun:
         self.dims, self.device = start_process_group(cfg, spec)
         self.rank0 = dist.get_rank() == 0
         self.tp_group = self.dims.tp.get_group() if self.dims.tp_enabled else None
-        self.tolerance = tolerance_for(cfg.parallel.param_dtype, cfg.optim.name)
+        self.tolerance = tolerance_for(cfg.parallel.param_dtype, cfg.optim.name, cfg.parallel.float8)
         self.golden = trajectory.read(cfg.parity.check_against, cfg) if cfg.parity.check_against else None
         self.source = None
         self.ids_group = None  # set with the source: the ranks agree on its ids (engine/train.py)
@@ -87,7 +103,8 @@ class ParityRun:
         cfg, pc = self.cfg, self.cfg.parity
         model, applied = sharded_model(cfg, self.dims, self.device, pc.layers)
         self.source = build_source(cfg, vocab_size(whole_model(model)))
-        reference = build_reference(cfg, self.device) if self.rank0 and pc.reference else None
+        reference = (build_reference(cfg, self.device, tensorwise_slices(cfg, self.dims))
+                     if self.rank0 and pc.reference else None)
         self.describe(model, reference)
         self.compare_weights(model, reference, "initial weights (bitwise)", initial=True)
         layout_hook = self.record_post_forward_layout(model, applied.blocks[0]) if applied.blocks else None
@@ -135,7 +152,7 @@ class ParityRun:
             "reference": str(reference_device(reference)) if reference is not None else "none",
             "model": f"{cfg.model.name}/{cfg.model.flavor}", "plan": cfg.parallel.plan,
             "layers": getattr(getattr(whole_model(model), "args", None), "n_layers", None),
-            "dtype": cfg.parallel.param_dtype, "optimizer": cfg.optim.name, "steps": cfg.parity.steps,
+            "dtype": self.tolerance.dtype, "optimizer": cfg.optim.name, "steps": cfg.parity.steps,
             "micro_batches": cfg.training.micro_batches,
             "pipeline": self.describe_pipeline(model),
             "settings": {k: v for k, v in vars(cfg.parallel).items() if k not in ("device", "backend")},

@@ -114,7 +114,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     from parallel.apply import tensor_parallel_styles
     from parallel.context import check_context_parallel
     from parallel.fsdp_internals import check_supported
-    from parallel.plan import get_plan
+    from parallel.plan import expand, get_plan
     from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
     from parallel.validate import validate_plan
     register_model_sources(cfg)
@@ -136,6 +136,16 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
                       cfg.parallel.sequence_parallel)
+    if cfg.parallel.float8 != "none" or cfg.parallel.float8_all_gather:
+        from parallel.float8 import check_settings as check_float8
+        simulated = args.dry_run or args.plan_for
+        check_float8(model, expand(model, plan.blocks, plan.name), cfg.parallel,
+                     resolve_reshard(cfg.parallel.reshard_after_forward, spec),
+                     tensor_parallel_styles(model, plan, cfg.parallel) if spec.tp > 1 else {}, spec.tp,
+                     None if simulated else pick_device(cfg)[0])
+        if simulated:
+            from engine.dryrun.estimate import float8_speedup
+            float8_speedup(cfg.dryrun.device, cfg.parallel.float8)  # a device without float8 stops here
     if spec.pp > 1:  # on the depth that will run: --parity may reduce it
         from parallel.pipeline import check_settings
         depth = cfg.parity.layers if args.parity else 0
@@ -163,7 +173,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         raise UserError(f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len "
                         f"{longest} ({cfg.model.name}/{cfg.model.flavor}).")
     if args.parity:
-        check_parity(cfg)
+        check_parity(cfg, spec)
     elif not (args.dry_run or args.plan_for):
         find_checkpoint(cfg)
     return cfg, spec
@@ -182,10 +192,20 @@ def check_gpu_count(cfg, ranks_here: int) -> None:
                         f"or run it on the CPU with --set parallel.device=cpu.")
 
 
-def check_parity(cfg) -> None:
+def check_parity(cfg, spec) -> None:
     from engine.parity import trajectory
     from models import build_on_meta
     build_on_meta(cfg.model.name, cfg.model.flavor, cfg.parity.layers)  # a depth the model cannot take fails here
+    if cfg.parallel.float8 == "tensorwise" and spec.cp > 1:
+        raise UserError(f"--parity cannot check parallel.float8=tensorwise with cp={spec.cp}: each cp rank scales "
+                        f"its own chunks of every sequence by their largest value, which no one-device forward "
+                        f"reproduces (launch/parity.py, tensorwise_slices). Check this mesh with "
+                        f"parallel.float8=rowwise, whose scales are per token, or tensorwise without cp.")
+    if cfg.parallel.float8_all_gather and spec.tp > 1:
+        raise UserError(f"--parity cannot check parallel.float8_all_gather=true with tp={spec.tp}: FSDP then scales "
+                        f"each tp rank's part of a weight by that part's own largest value (torchao reduces the "
+                        f"scale over the FSDP group only), which no one-device forward reproduces. Check this "
+                        f"mesh with parallel.float8_all_gather=false, or the float8 all-gathers without tp.")
     if cfg.parity.check_against:
         trajectory.read(cfg.parity.check_against, cfg)
     elif not cfg.parity.reference:

@@ -72,8 +72,10 @@ def _draw_my_part(param: torch.Tensor, distribution, key: int) -> None:
         cols = (cols[:, None] + held[dim][None, :] * stride).flatten()
     (r0, r1, rows_in_order), (c0, c1, cols_in_order) = _span(rows), _span(cols)
     region = (tuple(param.shape), (r0, r1), (c0, c1))
+    # In place through numpy where the shard is a plain CPU fp32 tensor; a tensor subclass
+    # (torchao's weight for float8 all-gathers) takes the values through copy_.
     if rows_in_order and cols_in_order and local.device.type == "cpu" and local.dtype == torch.float32 \
-            and local.is_contiguous():
+            and local.is_contiguous() and type(local) is torch.Tensor:
         draw_block(distribution, key, *region, out=local.detach().view(r1 - r0, c1 - c0).numpy())  # in place
         return
     block = torch.from_numpy(draw_block(distribution, key, *region))

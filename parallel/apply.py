@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
+from parallel.float8 import check_shapes, convert_to_float8, float8_linears
 from parallel.mesh import ParallelDims
 from parallel.pipeline import ZERO_BUBBLE, build_pipeline, join_parts, split_into_parts
 from parallel.plan import Plan, expand
@@ -73,6 +74,16 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims,
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # TP replaced the parameters, which breaks any sharing
     return styles
+
+
+def apply_float8(model: nn.Module, block_paths: list[str], plan: Plan, dims: ParallelDims,
+                 options: ParallelConfig, emulate: bool) -> list[str]:
+    """Before tensor parallel, which then splits each Float8Linear as it would a Linear."""
+    linears = float8_linears(model, block_paths)
+    check_shapes(model, linears, tensor_parallel_styles(model, plan, options) if dims.tp_enabled else {},
+                 dims.spec.tp)
+    convert_to_float8(model, linears, options.float8, options.float8_all_gather, emulate)
+    return linears
 
 
 def _draws_random_numbers(op) -> bool:
@@ -276,16 +287,19 @@ class AppliedPlan:
     recomputed: list[str] = field(default_factory=list)  # sublayers whose cheap activations are recomputed
     compiled: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
+    float8: list[str] = field(default_factory=list)  # linears that compute in float8
     block_reshard: bool | int = True
     stages: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
 
 
 def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: ParallelConfig, prefetch,
-                  applied: AppliedPlan, post_forward_mesh) -> None:
+                  applied: AppliedPlan, post_forward_mesh, emulate_float8: bool) -> None:
     """Steps 1 to 6 on one model (or one stage's part of it)."""
     paths = expand(model, plan.blocks, plan.name)
     applied.blocks += paths
     blocks = [model.get_submodule(path) for path in paths]
+    if options.float8 != "none":
+        applied.float8 += apply_float8(model, paths, plan, dims, options, emulate_float8)
     tp_styles = {}
     if dims.tp_enabled:
         tp_styles = apply_tensor_parallel(model, plan, dims, options)
@@ -304,9 +318,12 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
 
 
 def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
-               options: ParallelConfig | None = None, prefetch=None) -> AppliedPlan:
+               options: ParallelConfig | None = None, prefetch=None, emulate_float8: bool | None = None) -> AppliedPlan:
     """`prefetch` is the config's PrefetchConfig; None keeps FSDP2's implicit prefetch.
+    `emulate_float8`: whether float8 linears emulate their matmuls (None: off CUDA).
     The model to train is the result's `model`."""
+    if emulate_float8 is None:
+        emulate_float8 = dims.device_type != "cuda"
     options = options or ParallelConfig()
     applied = AppliedPlan(plan, options, block_reshard=resolve_reshard(options.reshard_after_forward, dims.spec))
     post_forward_mesh = None
@@ -317,7 +334,7 @@ def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,
         parts = split_into_parts(model, plan, dims.spec.pp, dims.pp.get_local_rank(), options, dims.spec.tp)
         applied.stages = [part.stage_index for part in parts]
     for part in parts:
-        apply_to_part(part, plan, dims, options, prefetch, applied, post_forward_mesh)
+        apply_to_part(part, plan, dims, options, prefetch, applied, post_forward_mesh, emulate_float8)
     applied.model = join_parts(parts)
     if dims.pp_enabled:
         applied.model.pipeline = build_pipeline(parts, model, plan, dims, options)

@@ -49,6 +49,12 @@ FACTORS: dict[str, tuple] = {
     # parallel.recompute_cheap: norms, SwiGLU's products and sequence parallel's gathers
     # recomputed in backward per sublayer, in the blocks activation checkpointing leaves.
     "recompute_cheap": (False, True),
+    # parallel.float8: the blocks' linears in float8 (torchao, emulated on the CPU), by
+    # scaling. Tensorwise rows without tp also all-gather those weights in float8
+    # (parallel.float8_all_gather), which touches FSDP (with tp, --parity refuses it:
+    # launch/run.py, check_parity); tests/test_parity.py runs tensorwise without it
+    # beside tp.
+    "float8": ("none", "tensorwise", "rowwise"),
 }
 
 # Sizes per mesh kind, at 4 ranks where the kind allows. An integer reshard needs a
@@ -103,7 +109,9 @@ def allowed(row: dict) -> bool:
     zero-bubble schedule with a reshard after forward, with compile or with op-level
     activation checkpointing (and recompute_cheap, which it ignores for the same reason:
     parallel/apply.py, recomputes_cheap_activations), and 1F1B with fewer micro-batches than stages
-    (parallel/pipeline.py: check_settings)."""
+    (parallel/pipeline.py: check_settings), and float8 all-gathers (the tensorwise rows)
+    with an integer reshard (parallel/float8.py: check_settings); what --parity refuses:
+    tensorwise scaling with cp (launch/run.py: check_parity)."""
     if "tp" not in row.get("mesh", "tp") and (row.get("sequence_parallel") or row.get("loss_parallel")):
         return False
     more_ranks = row.get("reshard_after_forward") == "2" and row.get("mesh", "dp") != "dp"
@@ -111,6 +119,10 @@ def allowed(row: dict) -> bool:
         return False
     if row.get("weights", "seed") != "seed" and row.get("param_dtype") == "bfloat16":
         return False
+    if row.get("float8") == "tensorwise" and row.get("reshard_after_forward") == "2":
+        return False  # a float8 all-gather from a post-forward shard (parallel/float8.py: check_settings)
+    if row.get("float8") == "tensorwise" and row.get("context_parallel"):
+        return False  # scales per cp chunk, which --parity cannot reproduce (launch/run.py: check_parity)
     # A split of its own needs a pipeline: a row that names no schedule yet is held to what
     # every schedule needs.
     pipeline = row.get("pipeline", "off" if row.get("pp_split", "even") == "even" else "any")
@@ -213,6 +225,8 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
                 if row["pp_split"] != "even" else ()))
     return (*(f"parallel.{key}={lower.get(row[key], row[key])}" for key in parallel),
             *(stages if pipeline != "off" else ()),
+            f"parallel.float8={row['float8']}",
+            f"parallel.float8_all_gather={lower[row['float8'] == 'tensorwise' and 'tp' not in row['mesh']]}",
             f"training.micro_batches={row['micro_batches']}",
             f"prefetch.forward={row['prefetch_forward']}", f"prefetch.backward={row['prefetch_backward']}",
             f"optim.name={row['optimizer']}", f"parity.layers={layers_of(row)}",
@@ -221,11 +235,12 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
               ("model.flavor=debug-deep",) if layers_of(row) > DEBUG_LAYERS else ()))
 
 
-# The pair order whose rows cost least to run, of orders 0 to 39: 24 rows, 5 of them
-# compiled, 5 on 8 ranks and 1 on 16 (order 6 gives 21 rows, but 2 of them on 16 ranks).
+# The pair order whose rows cost least to run, of orders 0 to 39: 25 rows, 4 of them
+# compiled (2 of those with tp or cp, which run again on a warm cache), 5 on 8 ranks and
+# 1 on 16 (order 8 gives 23 rows, but 6 compiled, 4 with tp or cp; both took 7 min on 2 cores).
 # Rows above 4 ranks and compiled rows cost the most on 2 cores; `python -m tests.combinations --orders 40` prints each
 # order's rows, compiled rows and ranks in all.
-ROW_ORDER = 35
+ROW_ORDER = 37
 ROWS = generate(order=ROW_ORDER)
 
 

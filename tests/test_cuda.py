@@ -35,6 +35,12 @@ ONE_RANK = {
     "no-reshard": ("parallel.reshard_after_forward=false",),
     "compile-ac-bf16": ("parallel.compile=true", "parallel.activation_checkpoint=full",
                         "parallel.param_dtype=bfloat16"),
+    # Float8 on the GPU's own float8 matmuls (torch._scaled_mm), against a reference whose
+    # linears run the same recipe; held to the float8 bounds (engine/parity/compare.py).
+    "float8-tensorwise": ("parallel.float8=tensorwise", "parallel.param_dtype=bfloat16"),
+    "float8-rowwise": ("parallel.float8=rowwise", "parallel.param_dtype=bfloat16"),
+    "float8-compile-ac": ("parallel.float8=rowwise", "parallel.param_dtype=bfloat16", "parallel.compile=true",
+                          "parallel.activation_checkpoint=op"),
 }
 
 

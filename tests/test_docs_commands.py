@@ -49,6 +49,11 @@ EXPECTED = {
     "bench/saved_activations.py": ["| true |", "count 4,980,736 bytes per block"],
     "prepare.py --check": ["every id inside the --vocab-size vocabulary of 256"],
     "--trace runs/trace.json": ["pp rank  stages", "trace -> runs/trace.json"],
+    # docs/planning.md, "Float8, calibrated on an H200": 184.0, 166.6 and 178.6 ms, 45.2 GiB
+    "--one engine+keep --shape": ['"peak_bytes": 48495485096, "step_s": 0.18402'],
+    "--one engine+float8-tensorwise+keep": ['"peak_bytes": 48495485096, "step_s": 0.16664'],
+    "--one engine+float8-rowwise+keep": ['"peak_bytes": 48495485096, "step_s": 0.17856'],
+    "--parity --mesh dp=2,tp=2 --set parallel.float8=rowwise": ["PASS:", "bfloat16 + float8 rowwise"],
 }
 
 

@@ -8,6 +8,8 @@ collective bytes, and this turns them into seconds under stated assumptions:
   the matmuls' results and recomputes elementwise ops, counted as free), over this rank's
   share of tokens (its data rank's tokens, split over cp and tp: the sequence split
   gives every cp rank the same attention work), at `compute_efficiency` of the peak;
+  with parallel.float8, the FLOPs of the blocks' linears (6 per weight) run the profile's
+  measured float8 speedup faster (FLOAT8_SPEEDUP: the float8 matmuls less their casts);
 - a collective moves its bytes at ring cost, (n-1)/n of them for an all-gather or a
   reduce-scatter and twice that for an all-reduce, at the intra-node bandwidth when
   its group fits in one node and at the inter-node bandwidth otherwise;
@@ -47,6 +49,14 @@ PROFILES = {
     "A100": {"peak_tflops": 312.0, "intra_node_gbps": 300.0, "inter_node_gbps": 25.0},
 }
 OVERLAPPED = ("dp", "dp_cp", "hsdp")
+# How much faster the blocks' linears run with parallel.float8 than in bf16, by recipe: the
+# whole step's change on one NVIDIA H200 (torch 2.11, torchao 0.18, compiled; bench/
+# gpu_throughput.py at 8B:4:8192:1, docs/benchmarks.md "Float8 on one GPU"), divided out over
+# the linears' 52.4% of the step's FLOPs. Its float8 matmul alone ran 1.82 (tensorwise) and
+# 1.75 (rowwise) times its bf16 one at 8192^3; the casts and scales take the rest. Taken
+# for the H100 too (the same Hopper chip, less memory bandwidth: not measured there);
+# the A100 has no float8 matmuls.
+FLOAT8_SPEEDUP = {"H100": {"tensorwise": 1.22, "rowwise": 1.06}, "H200": {"tensorwise": 1.22, "rowwise": 1.06}}
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,28 @@ def device_profile(dry) -> Profile:
                         f"got {dry.gpus_per_node} and {dry.compute_efficiency}.")
     return Profile(dry.device, values["peak_tflops"] * 1e12, values["intra_node_gbps"] * 1e9,
                    values["inter_node_gbps"] * 1e9, dry.gpus_per_node, dry.compute_efficiency)
+
+
+def float8_speedup(device: str, recipe: str) -> float:
+    """The linears' float8 speedup on the dry run's device (FLOAT8_SPEEDUP); 1 without float8."""
+    if recipe == "none":
+        return 1.0
+    if recipe not in FLOAT8_SPEEDUP.get(device, {}):
+        measured = ", ".join(FLOAT8_SPEEDUP)
+        raise UserError(f"the dry run has no float8 speed for dryrun.device={device}: it is measured on "
+                        f"{measured} only ({'the A100 has no float8 matmuls' if device == 'A100' else 'a custom device'}"
+                        f"). Use --set dryrun.device=H100 (or H200), or parallel.float8=none.")
+    return FLOAT8_SPEEDUP[device][recipe]
+
+
+def float8_flops_per_token(model, block_paths: list[str], recipe: str) -> float:
+    """6 per weight of the linears inside the blocks at `block_paths` (of `model`, converted
+    or not): the FLOPs per token that parallel.float8 computes in float8; 0 without it."""
+    if recipe == "none":
+        return 0.0
+    from torch import nn
+    return 6.0 * sum(module.weight.numel() for path in block_paths
+                     for module in model.get_submodule(path).modules() if isinstance(module, nn.Linear))
 
 
 def group_span(dim: str, spec) -> tuple[int, int]:
@@ -173,12 +205,15 @@ def message_seconds(nbytes: float, bandwidth: float) -> float:
 
 
 def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profile,
-                  stage_flops: float | None = None) -> StepEstimate:
-    """`stage_flops`: under pipeline parallel, the FLOPs per token of the stages this rank holds."""
+                  stage_flops: float | None = None, float8_flops: float = 0.0) -> StepEstimate:
+    """`stage_flops`: under pipeline parallel, the FLOPs per token of the stages this rank holds;
+    `float8_flops`: how many of this rank's FLOPs per token run in float8 (float8_flops_per_token)."""
     t = cfg.training
     global_tokens = t.global_batch * t.seq_len
     recompute = 4 / 3 if cfg.parallel.activation_checkpoint in ("full", "selective") else 1.0
-    rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * (stage_flops or flops_per_token) / spec.tp
+    bf16_equivalent = ((stage_flops or flops_per_token) - float8_flops
+                       + float8_flops / float8_speedup(profile.name, cfg.parallel.float8))
+    rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * bf16_equivalent / spec.tp
     compute = rank_flops * recompute / (profile.peak_flops * profile.compute_efficiency)
     comm_s: dict[str, float] = {}
     hidden, exposed, exposed_p2p = 0.0, 0.0, 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.dryrun.estimate import device_profile
+from engine.dryrun.estimate import device_profile, float8_speedup
 
 VERSION = 1
 GIB = 1024 ** 3
@@ -80,6 +80,13 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks)
 
 
+def _float8_note(cfg, profile) -> str:
+    recipe = cfg.parallel.float8
+    if recipe == "none":
+        return ""
+    return f"; the blocks' linears in float8 {recipe}, {float8_speedup(profile.name, recipe):.2f}x their bf16 speed"
+
+
 def render(result, cfg) -> str:
     e = result.estimate
     profile = device_profile(cfg.dryrun)
@@ -111,7 +118,8 @@ def render(result, cfg) -> str:
     lines += ["", f"step time (analytic, {profile.name}: {profile.peak_flops / 1e12:.0f} TFLOP/s at "
               f"{profile.compute_efficiency:.0%}, {profile.intra_node_bytes_s / 1e9:.0f} GB/s in a node, "
               f"{profile.inter_node_bytes_s / 1e9:.0f} GB/s between nodes of {profile.gpus_per_node}; "
-              f"FSDP traffic overlaps compute; TP, CP, the pipeline group's and the optimizer's does not)",
+              f"FSDP traffic overlaps compute; TP, CP, the pipeline group's and the optimizer's does not"
+              f"{_float8_note(cfg, profile)})",
               "  comm per dim: " + ", ".join(f"{d} {_time(s)}" for d, s in e.comm_s.items())]
     if result.stage_roles:
         lines.append(f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} + bubble "

@@ -82,7 +82,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from common.config import with_overrides
-from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
+from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step, float8_speedup
 from engine.dryrun.observe import Observation
 from common.errors import UserError
 from parallel.mesh import MeshSpec
@@ -143,16 +143,17 @@ def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, pro
     order and the first that does not fit ends it: the layout's peak is then at least that."""
     layout_cfg = layout_config(cfg, layout)
     spec = layout.spec
-    roles = [(observe(layout_cfg, layout, world, depth), None)] if spec.pp == 1 else []
+    roles = [(observe(layout_cfg, layout, world, depth), None, whole_float8_flops(cfg, depth))] if spec.pp == 1 else []
     for role in observe_stage_roles(layout_cfg, layout, world, depth) if spec.pp > 1 else ():
         roles.append(role)
         if role[0].peak_bytes > usable:
             break
-    peak = max(observed.peak_bytes for observed, _ in roles)
+    peak = max(observed.peak_bytes for observed, _, _ in roles)
     if peak > usable:
         return Outcome(layout, peak, None, f"peak {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
-    estimates = [estimate_step(observed.comm, fpt, layout_cfg, spec, profile, stage_flops=stage_fpt)
-                 for observed, stage_fpt in roles]
+    estimates = [estimate_step(observed.comm, fpt, layout_cfg, spec, profile, stage_flops=stage_fpt,
+                               float8_flops=float8)
+                 for observed, stage_fpt, float8 in roles]
     return Outcome(layout, peak, max(estimates, key=lambda e: e.step_s))
 
 
@@ -237,12 +238,13 @@ def search_mesh(cfg, world: int) -> MeshSpec:
     return min(meshes(cfg, world), key=lambda spec: spec.hsdp * spec.dp)
 
 
-def reshard_options(spec: MeshSpec, gpus_per_node: int) -> list[str]:
+def reshard_options(spec: MeshSpec, gpus_per_node: int, float8_all_gather: bool = False) -> list[str]:
     """The reshard settings searched, least memory first: resharding after every forward
-    frees the most, a node-local group less, keeping the gathered parameters none."""
+    frees the most, a node-local group less (not with float8 all-gathers, which cannot
+    gather from it: parallel/float8.py), keeping the gathered parameters none."""
     options = ["true", "false"]
     in_node = gpus_per_node // spec.tp
-    if 1 < in_node < spec.shard_size and spec.shard_size % in_node == 0:
+    if 1 < in_node < spec.shard_size and spec.shard_size % in_node == 0 and not float8_all_gather:
         options.insert(1, str(in_node))
     return options
 
@@ -314,10 +316,23 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
             and not micro_batches_needed(layout.schedule, spec.pp, layout.stages_per_rank, layout.micro_batches))
 
 
-def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator[tuple[Observation, float]]:
-    """Under pipeline parallel: (the observation, the FLOPs per token) of each distinct
-    stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks), one by one."""
-    from engine.dryrun.estimate import stage_flops_per_token
+def whole_float8_flops(cfg, depth: int) -> float:
+    """The FLOPs per token that parallel.float8 runs in float8, of the whole model at `depth` blocks."""
+    if cfg.parallel.float8 == "none":
+        return 0.0
+    from engine.dryrun.estimate import float8_flops_per_token
+    from models import build_on_meta
+    from parallel.plan import expand, get_plan
+    whole = build_on_meta(cfg.model.name, cfg.model.flavor, depth)
+    return float8_flops_per_token(whole, expand(whole, get_plan(cfg.parallel.plan).blocks, cfg.parallel.plan),
+                                  cfg.parallel.float8)
+
+
+def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator[tuple[Observation, float, float]]:
+    """Under pipeline parallel: (the observation, the FLOPs per token, those in float8) of
+    each distinct stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks),
+    one by one."""
+    from engine.dryrun.estimate import float8_flops_per_token, stage_flops_per_token
     from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
     from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank, stage_blocks
@@ -330,7 +345,8 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator
     for pp_rank in pipeline_ranks(cfg, spec, depth):
         held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
         observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
-        yield observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len)
+        yield (observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len),
+               float8_flops_per_token(whole, [path for stage in held for path in paths[stage]], cfg.parallel.float8))
 
 
 def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
@@ -524,7 +540,7 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
     outcomes when it is done, and the result does not depend on the number of workers."""
     if cfg.dryrun.gpu_memory_gib <= 0:
         raise UserError(f"dryrun.gpu_memory_gib={cfg.dryrun.gpu_memory_gib}: give the GPU's memory in GiB, e.g. 80.")
-    device_profile(cfg.dryrun)  # refused here, before any worker starts
+    float8_speedup(device_profile(cfg.dryrun).name, cfg.parallel.float8)  # refused here, before any worker starts
     jobs = [(spec, schedule) for spec in meshes(cfg, world, depth)
             for schedule in pipeline_schedules(cfg, spec.pp, depth)]
     found = {}
@@ -553,7 +569,7 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
 
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-    for reshard in reshard_options(spec, dry.gpus_per_node):
+    for reshard in reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather):
         for ladder in ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)]):
             outcomes += first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond)
     return index, outcomes

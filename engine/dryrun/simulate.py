@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.dryrun import torch_internals
 from common.errors import UserError
-from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step
+from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step, float8_speedup
 from engine.dryrun.observe import Observation, create_optimizer_state, observe_step
 from engine.dryrun.record import optimizer_bytes, param_bytes
 
@@ -137,7 +137,10 @@ def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
     enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
-    return apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, cfg.prefetch).model, dims
+    # A GPU job: float8 linears take the GPU's path (torch._scaled_mm, which fake tensors
+    # run anywhere), not the CPU's emulation, whose dequantised copies a GPU never makes.
+    return apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, cfg.prefetch,
+                      emulate_float8=False).model, dims
 
 
 def to_fake(model) -> None:
@@ -195,6 +198,7 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False)
     started = time.perf_counter()
     cfg, notes = eager(cfg)
     profile = device_profile(cfg.dryrun)
+    float8_speedup(profile.name, cfg.parallel.float8)  # a device without float8 stops here
     fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), cfg.training.seq_len)
     roles: dict[tuple[int, int, int], Role] = {}
     stage_roles = []
@@ -235,14 +239,20 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False)
 def stage_role(model, pp_rank: int, observed: Observation, whole_fpt: float, cfg, spec, profile) -> StageRole:
     """A simulated rank's step time: without pp the whole model's FLOPs; with pp those of
     the stages the rank holds, plus the schedule's bubble and its point-to-point traffic."""
-    from engine.dryrun.estimate import stage_flops_per_token
+    from engine.dryrun.estimate import float8_flops_per_token, stage_flops_per_token
     from parallel.pipeline import whole_model
+    from parallel.plan import expand, get_plan
 
     pipeline = getattr(model, "pipeline", None)
     if pipeline is None:
-        return StageRole(0, [0], 0, observed, whole_fpt, estimate_step(observed.comm, whole_fpt, cfg, spec, profile))
-    fpt = stage_flops_per_token(whole_model(model), pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices,
+        float8 = float8_flops_per_token(model, expand(model, get_plan(cfg.parallel.plan).blocks, cfg.parallel.plan),
+                                        cfg.parallel.float8)
+        return StageRole(0, [0], 0, observed, whole_fpt,
+                         estimate_step(observed.comm, whole_fpt, cfg, spec, profile, float8_flops=float8))
+    whole = whole_model(model)
+    fpt = stage_flops_per_token(whole, pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices,
                                 cfg.training.seq_len)
-    blocks = sum(len(pipeline.stage_blocks[s]) for s in pipeline.stage_indices)
-    return StageRole(pp_rank, list(pipeline.stage_indices), blocks, observed, fpt,
-                     estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt))
+    held = [path for stage in pipeline.stage_indices for path in pipeline.stage_blocks[stage]]
+    float8 = float8_flops_per_token(whole, held, cfg.parallel.float8)
+    return StageRole(pp_rank, list(pipeline.stage_indices), len(held), observed, fpt,
+                     estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt, float8_flops=float8))

@@ -3,6 +3,8 @@ as the mesh run, in one process, over the whole global batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.grad_norm import clip_grad_norm
@@ -10,13 +12,17 @@ from engine.train import ONE_DEVICE, build_optimizer, evaluate, forward_backward
 
 
 class Reference:
-    def __init__(self, model: torch.nn.Module, cfg, compute: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module, cfg, compute: torch.nn.Module | None = None, slices: int = 1):
         """`compute`, when given, is a low-precision copy of `model` that runs forward and
-        backward from the fp32 master weights, as FSDP's mixed precision does."""
+        backward from the fp32 master weights, as FSDP's mixed precision does. `slices`:
+        the equal runs of rows each forward takes, the same mean loss and gradient; more
+        than one where the mesh's numbers depend on them (float8 tensorwise scaling, whose
+        scale comes from each forward's own rows: launch/parity.py, tensorwise_slices)."""
         self.model = model
         self.compute = compute if compute is not None else model
         self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
         self.max_norm = cfg.optim.max_norm
+        self.slices = slices
 
     def _refresh_compute(self) -> None:
         with torch.no_grad():
@@ -27,13 +33,16 @@ class Reference:
         """The held-out loss over the whole global batches, as engine.train.evaluate."""
         if self.compute is not self.model:
             self._refresh_compute()
-        return evaluate(self.compute, source, cfg, ONE_DEVICE, device)
+        sliced = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batches=self.slices))
+        return evaluate(self.compute, source, sliced, ONE_DEVICE, device)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, slices: int | None = None) -> float:
+        """`slices`: None takes the reference's own."""
+        slices = slices or self.slices
         if self.compute is self.model:
-            return forward_backward(self.model, inputs, targets).item()
+            return forward_backward(self.model, inputs, targets, slices).item()
         self._refresh_compute()
-        loss = forward_backward(self.compute, inputs, targets)
+        loss = forward_backward(self.compute, inputs, targets, slices)
         for master, low in zip(self.model.parameters(), self.compute.parameters()):
             master.grad = low.grad.float()  # FSDP reduces and keeps gradients in fp32 too
             low.grad = None
