@@ -104,7 +104,7 @@ def extrapolation(layouts, out: Path) -> None:
             pairs = [(observe_rank_zero(cfg, spec, world_size), observe(cfg, layout, world_size, depth))]
         else:  # each stage role: simulated at full depth, and extrapolated as --plan-for does
             ranks = [rank * (world_size // spec.pp) for rank in pipeline_ranks(cfg, spec)]
-            guesses = [observed for observed, _ in observe_stage_roles(cfg, layout, world_size, depth)]
+            guesses = [observed for observed, *_ in observe_stage_roles(cfg, layout, world_size, depth)]
             pairs = [(observe_rank_zero(cfg, spec, world_size, rank=rank), guess) for rank, guess in zip(ranks, guesses)]
         (out / f"extrapolated-{index}.json").write_text(json.dumps(
             [{"full": full.as_dict(), "extrapolated": guess.as_dict()} for full, guess in pairs]))

@@ -443,7 +443,7 @@ def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monke
     def roles(cfg, layout, world, depth):
         for peak in (5, 50, 7):
             simulated.append(peak)
-            yield Observation(0, 0, 0, peak, {}), 1.0
+            yield Observation(0, 0, 0, peak, {}), 1.0, 0.0
 
     monkeypatch.setattr(search, "observe_stage_roles", roles)
     monkeypatch.setattr(search, "layout_config", lambda cfg, layout: cfg)
