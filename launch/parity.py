@@ -62,8 +62,9 @@ def build_reference(cfg, device, slices: int = 1) -> Reference:
         compute = single_device_model(cfg, where, cfg.parity.layers, getattr(torch, cfg.parallel.param_dtype))
     if cfg.parallel.float8 != "none":  # the same linears in float8, with the same scaling
         computing = compute if compute is not None else model
-        blocks = expand(computing, get_plan(cfg.parallel.plan).blocks, cfg.parallel.plan)
-        convert_to_float8(computing, float8_linears(computing, blocks), cfg.parallel.float8,
+        plan = get_plan(cfg.parallel.plan)
+        blocks = expand(computing, plan.blocks, cfg.parallel.plan)
+        convert_to_float8(computing, float8_linears(computing, blocks, plan.float8_skip), cfg.parallel.float8,
                           all_gather=False, emulate=where.type != "cuda")
     return Reference(model, cfg, compute, slices)
 

@@ -78,6 +78,16 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def check_simulated_model(model, name: str) -> None:
+    """The dry run's step model has no mixture of experts yet: its routing depends on the
+    values, which a simulated step does not have."""
+    from models.moe import MoE
+    if any(isinstance(module, MoE) for module in model.modules()):
+        raise UserError(f"--dry-run and --plan-for do not model a mixture of experts yet (model {name!r} routes "
+                        f"tokens to experts by their values, which a simulated step has none of). Train or run "
+                        f"--parity on a real mesh instead.")
+
+
 def check(args: argparse.Namespace, world_size: int | None):
     """Everything that can be checked without a process group. Returns (config, mesh).
     Every path it reads was given by the user, so a path the system will not take (too
@@ -124,6 +134,8 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     hf_import = cfg.checkpoint.hf_import
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
+    if args.dry_run or args.plan_for:
+        check_simulated_model(model, cfg.model.name)
     if not (args.dry_run or args.plan_for):  # a dry run reads no data
         from engine.data.sources import check_data
         check_data(cfg, vocab_size(model))  # paths, prepared folders, vocabularies: index.json only
@@ -139,7 +151,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     if cfg.parallel.float8 != "none" or cfg.parallel.float8_all_gather:
         from parallel.float8 import check_settings as check_float8
         simulated = args.dry_run or args.plan_for
-        check_float8(model, expand(model, plan.blocks, plan.name), cfg.parallel,
+        check_float8(model, expand(model, plan.blocks, plan.name), plan.float8_skip, cfg.parallel,
                      resolve_reshard(cfg.parallel.reshard_after_forward, spec),
                      tensor_parallel_styles(model, plan, cfg.parallel) if spec.tp > 1 else {}, spec.tp,
                      None if simulated else pick_device(cfg)[0])

@@ -7,11 +7,12 @@ import dataclasses
 import torch
 
 from common.errors import UserError
-from models import gpt2, llama
+from models import gpt2, llama, moe
 
 MODELS = {
     "llama": (llama.Llama, llama.FLAVORS),
     "gpt2": (gpt2.GPT2, gpt2.FLAVORS),
+    "llama_moe": (moe.MoELlama, moe.FLAVORS),
 }
 
 

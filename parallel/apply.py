@@ -79,7 +79,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims,
 def apply_float8(model: nn.Module, block_paths: list[str], plan: Plan, dims: ParallelDims,
                  options: ParallelConfig, emulate: bool) -> list[str]:
     """Before tensor parallel, which then splits each Float8Linear as it would a Linear."""
-    linears = float8_linears(model, block_paths)
+    linears = float8_linears(model, block_paths, plan.float8_skip)
     check_shapes(model, linears, tensor_parallel_styles(model, plan, options) if dims.tp_enabled else {},
                  dims.spec.tp)
     convert_to_float8(model, linears, options.float8, options.float8_all_gather, emulate)

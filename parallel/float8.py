@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError
+from parallel.plan import path_matches
 
 RECIPES = ("tensorwise", "rowwise")
 # torch._scaled_mm takes only dimensions that are multiples of 16.
@@ -66,10 +67,11 @@ def sharded_dimension(style) -> int | None:
     return 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
 
 
-def float8_linears(model: nn.Module, block_paths: list[str]) -> list[str]:
-    """The paths of the nn.Linear modules inside the blocks."""
-    return [f"{block}.{name}" for block in block_paths
-            for name, module in model.get_submodule(block).named_modules() if type(module) is nn.Linear]
+def float8_linears(model: nn.Module, block_paths: list[str], skip: tuple[str, ...] = ()) -> list[str]:
+    """The paths of the nn.Linear modules inside the blocks, but those `skip` names (globs)."""
+    paths = [f"{block}.{name}" for block in block_paths
+             for name, module in model.get_submodule(block).named_modules() if type(module) is nn.Linear]
+    return [path for path in paths if not any(path_matches(pattern, path) for pattern in skip)]
 
 
 def check_shapes(model: nn.Module, paths: list[str], tp_styles: dict, tp: int) -> None:
@@ -104,7 +106,7 @@ def convert_to_float8(model: nn.Module, paths: list[str], recipe: str, all_gathe
 
 
 
-def check_settings(model: nn.Module, block_paths: list[str], options, reshard: bool | int, tp_styles: dict,
+def check_settings(model: nn.Module, block_paths: list[str], skip: tuple[str, ...], options, reshard: bool | int, tp_styles: dict,
                    tp: int, device_type: str | None) -> None:
     """Everything float8 can refuse, before any process starts. `reshard` is the blocks'
     resolved reshard_after_forward; `device_type` None (a dry run) skips the GPU's check."""
@@ -124,4 +126,4 @@ def check_settings(model: nn.Module, block_paths: list[str], options, reshard: b
     import_torchao()
     if device_type is not None:
         check_device(device_type)
-    check_shapes(model, float8_linears(model, block_paths), tp_styles, tp)
+    check_shapes(model, float8_linears(model, block_paths, skip), tp_styles, tp)

@@ -77,6 +77,9 @@ class Plan:
     # seq, head_dim) tensors that return causal softmax attention. With cp > 1 the engine
     # attends across the cp ranks in their place (parallel/context.py); None refuses cp > 1.
     attention: str | None = None
+    # Path globs of linears inside the blocks that parallel.float8 leaves in the compute
+    # dtype (a router's gate, say).
+    float8_skip: tuple[str, ...] = ()
 
 
 PLANS: dict[str, Plan] = {}

@@ -1,6 +1,6 @@
 """`launch/run.py --parity` on what the combination matrix (tests/test_combinations.py)
 does not vary: other models (tied embeddings, GPT-2 through its user plan, also with
-context parallel), a shard group of one (hsdp x tp), context parallel at 4, a planted
+context parallel, the mixture of experts beside each dimension), a shard group of one (hsdp x tp), context parallel at 4, a planted
 bug, and golden trajectories.
 
 Each row is one real launch (torchrun over gloo on the CPU, 4 or 8 ranks) run once per
@@ -24,6 +24,7 @@ import pytest
 
 from tests.distributed import parity_report, run_together, selected
 
+MOE = ("model.name=llama_moe", "model.flavor=debug-moe", "parallel.plan=llama_moe")
 GPT2 = ("model.name=gpt2", "parallel.plan=gpt2", "model.plugin=examples.gpt2_plan")
 PLANTED_BUG = ("model.plugin=tests.planted_bug_plan", "parallel.plan=llama_sp_missing_norm",
                "parallel.sequence_parallel=true")
@@ -41,6 +42,17 @@ MATRIX = {
     # float8), its linears split over tp with sequence parallel.
     "float8-tensorwise-tp-sp": ("dp=2,tp=2", ("parallel.float8=tensorwise", "parallel.param_dtype=bfloat16",
                                               "parallel.sequence_parallel=true")),
+    # The mixture of experts (models/moe.py: 8 experts, top 2, a shared expert) beside each
+    # dimension: the experts whole on every tp rank, sequence parallel gathering into them;
+    # a looped pipeline over context parallel; an integer reshard with op-level AC; compiled.
+    "moe-tp-sp-float8": ("dp=2,tp=2", (*MOE, "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
+                                       "parallel.float8=rowwise")),
+    "moe-pp-cp": ("pp=2,cp=2", (*MOE, "training.micro_batches=2", "parallel.pp_schedule=Interleaved1F1B",
+                                "parallel.pp_stages_per_rank=2", "parallel.activation_checkpoint=full")),
+    "moe-hsdp-reshard-op": ("hsdp=2,dp=2", (*MOE, "parallel.activation_checkpoint=op", "parallel.param_dtype=bfloat16",
+                                            "parallel.reshard_after_forward=2", "parallel.recompute_cheap=true")),
+    "moe-compiled": ("dp=2", (*MOE, "parallel.compile=true", "parallel.activation_checkpoint=selective",
+                              "parallel.param_dtype=bfloat16")),
 }
 
 
