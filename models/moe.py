@@ -142,7 +142,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them for expert e."""
-        w13, w2 = self.w13, self.w2
+        return self.compute(x, counts, self.w13, self.w2)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The experts whose weights are given (all of them, or an ep rank's) on their tokens.
+        Expert parallelism (parallel/expert.py) calls it with this rank's experts."""
         if x.dtype in self.grouped_dtypes:
             offsets = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)

@@ -4,11 +4,13 @@
    each a part of the model that keeps only its own blocks (and the embedding on the first
    stage, the output on the last); steps 1 to 6 then apply to each part as to a model,
 1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh, then, with cp > 1,
-   attention across the cp ranks (parallel/context.py),
+   attention across the cp ranks (parallel/context.py), then, with ep > 1, the experts
+   split over the ep ranks (parallel/expert.py),
 2. activation checkpointing, per block; the blocks it leaves alone recompute their cheap
    activations (norms, products, sequence-parallel gathers) in backward, per sublayer,
 3. torch.compile, per block,
-4. fully_shard on every block (with the reshard-after-forward setting),
+4. fully_shard on every block (with the reshard-after-forward setting); with ep > 1 each
+   block's experts first, over the expert-dp ranks,
 5. fully_shard on the root, which takes the remaining parameters,
 6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
@@ -31,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
+from parallel.expert import apply_expert_parallel
 from parallel.float8 import check_shapes, convert_to_float8, float8_linears
 from parallel.mesh import ParallelDims
 from parallel.pipeline import ZERO_BUBBLE, build_pipeline, join_parts, split_into_parts
@@ -48,7 +51,7 @@ SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+} | ({torch.ops.aten._grouped_mm.default} if hasattr(torch.ops.aten, "_grouped_mm") else set())  # the experts'
 
 
 def tensor_parallel_styles(model: nn.Module, plan: Plan, options: ParallelConfig) -> dict:
@@ -187,8 +190,22 @@ def recomputes_cheap_activations(options: ParallelConfig, pp: int) -> bool:
     return options.recompute_cheap and not (pp > 1 and options.pp_schedule in ZERO_BUBBLE)
 
 
+def outside_units(model: nn.Module, path: str, units: list[str]) -> list[str]:
+    """`path` when it holds none of `units` (modules that are FSDP units of their own: the
+    experts under ep), else those of its descendants that hold none, largest first. A
+    selective checkpoint must not contain another FSDP unit's hooks: recomputed in
+    backward, FSDP runs them another way (its root pre-forward once more), and the
+    checkpoint stops at an op it did not see in forward (torch 2.13)."""
+    if not any(unit == path or unit.startswith(path + ".") for unit in units):
+        return [path]
+    if path in units:
+        return []
+    return [region for name, _ in model.get_submodule(path).named_children()
+            for region in outside_units(model, f"{path}.{name}", units)]
+
+
 def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: Plan, options: ParallelConfig,
-                                pp: int, cp_cores: list[str]) -> tuple[list[str], list[str]]:
+                                pp: int, cp_cores: list[str], units: list[str] = ()) -> tuple[list[str], list[str]]:
     """Checkpoint the blocks the mode picks; in the others, recompute each sublayer's cheap
     activations. Returns (checkpointed blocks, recomputed sublayers).
 
@@ -196,13 +213,18 @@ def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: 
     its activations: the core gathers keys and values outside the graph (a graph break),
     which a checkpoint inside a compiled block cannot hold; torch then ran the sublayer
     eagerly among the compiled parts, and cp x tp ranks waited on each other's
-    collectives for ever (torch 2.13)."""
+    collectives for ever (torch 2.13).
+
+    `units`: modules sharded by FSDP on their own inside the blocks (the experts under
+    ep). A selective checkpoint (a policy) then covers the rest of each block or sublayer
+    (outside_units), and the units keep their activations."""
     mode = options.activation_checkpoint
     chosen = [path for index, path in enumerate(block_paths)
               if mode in ("full", "op") or (mode == "selective" and index % options.checkpoint_every == 0)]
     policy = checkpoint_policy(op_level=mode == "op", compiled=options.compile)
     for path in chosen:
-        checkpoint_block(model.get_submodule(path), policy)
+        for region in outside_units(model, path, units) if policy else [path]:
+            checkpoint_block(model.get_submodule(region), policy)
     sublayers = []
     if recomputes_cheap_activations(options, pp):
         inside = lambda path, outer: any(path.startswith(o + ".") for o in outer)
@@ -210,7 +232,8 @@ def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: 
         sublayers = [path for pattern in sublayer_patterns(plan) for path in expand(model, pattern, plan.name)
                      if not inside(path, chosen) and not any(inside(core, [path]) for core in graph_breaks)]
         for path in sublayers:
-            recompute_call(model.get_submodule(path), options.compile)
+            for region in outside_units(model, path, units):
+                recompute_call(model.get_submodule(region), options.compile)
     return chosen, sublayers
 
 
@@ -231,8 +254,8 @@ def key_compile_cache_on_layout(dims: ParallelDims) -> None:
     tp group this rank is not in (torch 2.13: "Could not resolve the process group
     registered under the name 16", compiled cp x tp, every run after the first)."""
     import torch.distributed as dist
-    names = [mesh.get_group(dim).group_name for mesh in (dims.world, dims.fsdp, dims.data)
-             for dim in range(mesh.ndim)]
+    meshes = (dims.world, dims.fsdp, dims.data, *((dims.ep, dims.expert_fsdp) if dims.ep is not None else ()))
+    names = [mesh.get_group(dim).group_name for mesh in meshes for dim in range(mesh.ndim)]
     user_tag = torch.compiler.config.cache_key_tag.split(LAYOUT_TAG)[0]
     torch.compiler.config.cache_key_tag = (f"{user_tag}{LAYOUT_TAG}rank {dist.get_rank()} of {dist.get_world_size()}, "
                                            f"mesh {dims.spec}, groups {','.join(names)}")
@@ -261,11 +284,15 @@ def fsdp_policies(options: ParallelConfig, device_type: str) -> dict:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,
-               reshard: bool | int, post_forward_mesh=None) -> None:
+               reshard: bool | int, post_forward_mesh=None, expert_modules: list[nn.Module] = ()) -> None:
     """`post_forward_mesh`: the engine's own, for an integer reshard that fully_shard cannot
-    apply by itself (parallel/reshard.py)."""
+    apply by itself (parallel/reshard.py). `expert_modules`: split over ep, sharded over
+    their own mesh (an integer reshard is refused with ep up front)."""
     policies = fsdp_policies(options, dims.device_type)
     for block in blocks:
+        for experts in expert_modules:
+            if any(experts is module for module in block.modules()):
+                fully_shard(experts, mesh=dims.expert_fsdp, reshard_after_forward=reshard, **policies)
         fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
                     **policies)
         if post_forward_mesh is not None:
@@ -288,6 +315,7 @@ class AppliedPlan:
     compiled: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
     float8: list[str] = field(default_factory=list)  # linears that compute in float8
+    experts: list[str] = field(default_factory=list)  # experts modules split over ep
     block_reshard: bool | int = True
     stages: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
 
@@ -306,13 +334,17 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
         applied.tp_styles.update(tp_styles)
     cp_cores = apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype)) if dims.cp_enabled else []
     applied.attention += cp_cores
-    checkpointed, recomputed = apply_activation_checkpoint(paths, model, plan, options, dims.spec.pp, cp_cores)
+    expert_paths = apply_expert_parallel(model, plan, dims.ep) if dims.spec.ep > 1 else []
+    applied.experts += expert_paths
+    checkpointed, recomputed = apply_activation_checkpoint(paths, model, plan, options, dims.spec.pp, cp_cores,
+                                                           expert_paths)
     applied.checkpointed += checkpointed
     applied.recomputed += recomputed
     if options.compile:
         apply_compile(model, blocks, list(tp_styles), paths, dims)
         applied.compiled += paths
-    apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh)
+    apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh,
+               [model.get_submodule(path) for path in expert_paths])
     if prefetch is not None:
         apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
 

@@ -36,4 +36,5 @@ LLAMA_MOE = register_plan(Plan(
     # The router's gate (dim x experts) decides where each token goes; float8 would move
     # those decisions, and its width is below float8's multiple of 16 in the small flavors.
     float8_skip=("layers.*.feed_forward.router.gate",),
+    experts="layers.*.feed_forward.experts",
 ))

@@ -10,6 +10,9 @@ The grid has five named dimensions, outermost first:
           (parallel/context.py); FSDP shards parameters over dp x cp
     tp    tensor parallel degree, innermost so its ranks share a node
 
+and `ep`, expert parallelism, which borrows its ranks from dp (parallel/expert.py):
+`--mesh dp=4,ep=2` is 4 ranks whose experts are split in two. It multiplies nothing.
+
 Parsing needs no process group, so it can be tested on its own.
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from common.errors import UserError
 
 DIM_ORDER = ("pp", "hsdp", "dp", "cp", "tp")
+BORROWED = ("ep",)  # dimensions that split dp's ranks again instead of adding ranks
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
 _EXAMPLE = "for example --mesh dp=4,tp=2 or --mesh pp=2,hsdp=2,dp=2,tp=2"
 
@@ -36,6 +40,7 @@ class MeshSpec:
     # places in the mesh are DIM_ORDER's: pp outermost, cp third from the inside.
     cp: int = 1
     pp: int = 1
+    ep: int = 1  # borrowed from dp: not in `sizes`
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -68,8 +73,8 @@ class MeshSpec:
                     f"dimensions multiply to {known}, which does not divide {world_size}. "
                     f"Choose sizes whose product divides the world size."
                 )
-            return MeshSpec(**{name: world_size // known if size == -1 else size
-                                for name, size in zip(DIM_ORDER, self.sizes)})
+            return MeshSpec(ep=self.ep, **{name: world_size // known if size == -1 else size
+                                           for name, size in zip(DIM_ORDER, self.sizes)})
         if known != world_size:
             raise UserError(
                 f"--mesh {self} needs {known} ranks but the world size is {world_size}. "
@@ -86,6 +91,8 @@ class MeshSpec:
 def format_mesh(spec: MeshSpec) -> str:
     """Canonical text: every dimension larger than 1 (or -1), outermost first."""
     items = [f"{name}={size}" for name, size in zip(DIM_ORDER, spec.sizes) if size != 1]
+    if spec.ep != 1:
+        items.insert(sum(size != 1 for size in spec.sizes[:DIM_ORDER.index("dp") + 1]), f"ep={spec.ep}")
     return ",".join(items) or "dp=1"
 
 
@@ -102,10 +109,10 @@ def parse_mesh(text: str) -> MeshSpec:
                 f"name=size with an integer size, {_EXAMPLE}."
             )
         name, size = match.group(1), int(match.group(2))
-        if name not in DIM_ORDER:
+        if name not in DIM_ORDER + BORROWED:
             raise UserError(
                 f"--mesh {text!r}: unknown dimension {name!r}. Known dimensions are "
-                f"{', '.join(DIM_ORDER)} (outermost first)."
+                f"{', '.join(DIM_ORDER)} (outermost first), and ep (expert parallel, borrowed from dp)."
             )
         if name in sizes:
             raise UserError(f"--mesh {text!r}: dimension {name!r} is given twice. Give each once.")
@@ -114,6 +121,9 @@ def parse_mesh(text: str) -> MeshSpec:
                 f"--mesh {text!r}: {name}={size} is not a valid size. Sizes are positive "
                 f"integers, or -1 (at most once) for the rest of the world size."
             )
+        if name in BORROWED and size == -1:
+            raise UserError(f"--mesh {text!r}: {name} borrows its ranks from dp, so it cannot take the rest "
+                            f"of the world (-1). Give it a size that divides dp.")
         sizes[name] = size
     if list(sizes.values()).count(-1) > 1:
         raise UserError(
@@ -146,6 +156,11 @@ class ParallelDims:
     data: "DeviceMesh"  # noqa: F821
     cp: "DeviceMesh"  # noqa: F821
     pp: "DeviceMesh"  # noqa: F821
+    # With ep > 1 (parallel/expert.py), from a mesh of their own that splits dp into
+    # (expert-dp, ep): the ep group, and what fully_shard gets for the experts, as `fsdp`
+    # but over expert-dp x cp.
+    ep: "DeviceMesh | None" = None  # noqa: F821
+    expert_fsdp: "DeviceMesh | None" = None  # noqa: F821
 
     @property
     def tp_enabled(self) -> bool:
@@ -188,5 +203,23 @@ def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
         fsdp = world["dp", "cp"]._flatten("dp_cp")
     else:  # (hsdp, dp_cp): slicing a flattened dimension out of `world` is deprecated
         fsdp = data._unflatten(0, (spec.hsdp, spec.shard_size), ("hsdp", "dp_cp"))
-    return ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
+    dims = ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
                         tp=world["tp"], data=data, cp=world["cp"], pp=world["pp"])
+    if spec.ep > 1:
+        experts = init_device_mesh(device_type, (spec.pp, spec.hsdp, spec.dp // spec.ep, spec.ep, spec.cp, spec.tp),
+                                   mesh_dim_names=("pp", "hsdp", "edp", "ep", "cp", "tp"))
+        dims.ep, dims.expert_fsdp = experts["ep"], _shard_mesh(experts, spec.hsdp, ("edp", "cp"))
+    return dims
+
+
+def _shard_mesh(world, hsdp: int, shard_dims: tuple[str, ...]):
+    """What fully_shard gets: the shard dimensions (those larger than 1, flattened), with
+    hsdp before them when hsdp > 1."""
+    used = [dim for dim in shard_dims if world[dim].size() > 1] or [shard_dims[0]]
+    name = "_".join(used)
+    if len(used) == 1:
+        return world["hsdp", used[0]] if hsdp > 1 else world[used[0]]
+    if hsdp == 1:
+        return world[tuple(used)]._flatten(name)
+    flat = world[("hsdp", *used)]._flatten(f"hsdp_{name}")
+    return flat._unflatten(0, (hsdp, flat.size() // hsdp), ("hsdp", name))

@@ -80,6 +80,11 @@ class Plan:
     # Path globs of linears inside the blocks that parallel.float8 leaves in the compute
     # dtype (a router's gate, say).
     float8_skip: tuple[str, ...] = ()
+    # Path glob of a mixture of experts' routed-experts modules, which ep > 1 splits by
+    # expert (parallel/expert.py): each called as experts(tokens sorted by expert, counts
+    # per expert), holding w13 and w2 stacked by expert on dim 0, with a
+    # compute(tokens, counts, w13, w2) for a subset of them. None refuses ep > 1.
+    experts: str | None = None
 
 
 PLANS: dict[str, Plan] = {}

@@ -248,6 +248,23 @@ def _ranks(row: dict) -> int:
     return math.prod(int(item.split("=")[1]) for item in mesh_of(row).split(","))
 
 
+def value_rows(rows: list[dict]) -> list[int]:
+    """A few of `rows` in which every value of every setting appears at least once (greedy:
+    the row adding the most values not yet seen, then the one with fewer ranks). The other
+    torch versions run these (`make test-compat`); the pinned one runs every row."""
+    needed = {(name, row[name]) for row in rows for name in FACTORS}
+    chosen: list[int] = []
+    while needed:
+        best = max(range(len(rows)), key=lambda i: (len({(n, rows[i][n]) for n in FACTORS} & needed),
+                                                   -_ranks(rows[i]), -i))
+        chosen.append(best)
+        needed -= {(name, rows[best][name]) for name in FACTORS}
+    return sorted(chosen)
+
+
+VALUE_ROWS = value_rows(ROWS)
+
+
 if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["--orders"]:

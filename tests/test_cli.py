@@ -41,7 +41,13 @@ def assert_clean_error(result, *fragments):
 
 
 BAD_INPUT = [
-    (["--mesh", "dp=4,ep=2"], ["unknown dimension 'ep'", "pp, hsdp, dp, cp, tp"]),
+    (["--mesh", "dp=4,ez=2"], ["unknown dimension 'ez'", "pp, hsdp, dp, cp, tp"]),
+    (["--mesh", "dp=3,ep=2"], ["ep=2 borrows its ranks from dp, so it must divide dp=3"]),
+    (["--mesh", "dp=2,ep=2"], ["plan 'llama' names none", "model.name=llama_moe"]),
+    (["--mesh", "dp=6,ep=3", "--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe", "--set",
+      "parallel.plan=llama_moe"], ["ep=3 must divide the number of experts, 8 in layers.0.feed_forward.experts"]),
+    (["--mesh", "dp=4,ep=2", "--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe", "--set",
+      "parallel.plan=llama_moe", "--set", "parallel.reshard_after_forward=2"], ["does not run with ep=2 yet"]),
     (["--mesh", "dp=4,tp"], ["cannot read 'tp'"]),
     (["--mesh", "dp=0,tp=2"], ["dp=0 is not a valid size"]),
     (["--mesh", "dp=2,dp=2"], ["given twice"]),

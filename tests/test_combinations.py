@@ -13,13 +13,17 @@ a row that job did not finish runs alone through the launcher. The compiled rows
 jobs of their own, on a compile cache of their own, and then again on the cache that
 first run filled, as a user's second run does. On torch before 2.13,
 the ZBVZeroBubble rows must be refused instead (parallel/pipeline.py: runs_on_backend),
-so there the pairs only they hold are checked on the newer versions alone."""
+so there the pairs only they hold are checked on the newer versions alone.
+
+Every row runs on the pinned torch (`make test`). The other versions (`make test-compat`)
+run the rows of VALUE_ROWS, in which every value of every setting appears once or more
+(5 rows): each feature meets each version, and the pairs are proven on the pinned one."""
 
 from itertools import combinations
 
 import pytest
 
-from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, SPLITS, STEPS, ZERO_BUBBLE, _pairs,
+from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, SPLITS, STEPS, VALUE_ROWS, ZERO_BUBBLE, _pairs,
                                 all_pairs, allowed, hf_folder, layers_of, mesh_of, overrides, stages_per_rank)
 from parallel.mesh import parse_mesh
 from parallel.pipeline import runs_on_backend
@@ -124,9 +128,14 @@ def transformers_loss(row: dict, hf_root, argv: list[str]) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
 
 
+def on_every_version(indices) -> list:
+    """The rows `make test-compat` runs too: those of VALUE_ROWS (every value of every
+    setting, on each torch version we claim); every row runs on the pinned one."""
+    return [pytest.param(i, marks=pytest.mark.compat) if i in VALUE_ROWS else i for i in indices]
+
+
 @pytest.mark.distributed
-@pytest.mark.compat
-@pytest.mark.parametrize("index", range(len(ROWS)))
+@pytest.mark.parametrize("index", on_every_version(range(len(ROWS))))
 def test_combination_row_passes_parity(row_report, index, tmp_path, hf_root):
     row = ROWS[index]
     if not runs_here(row):  # ZBVZeroBubble over gloo before torch 2.13: refused, with the fix
@@ -204,8 +213,7 @@ def rows_where(**wanted) -> list[int]:
 
 
 @pytest.mark.distributed
-@pytest.mark.compat
-@pytest.mark.parametrize("index", rows_where(reshard_after_forward="2"))
+@pytest.mark.parametrize("index", on_every_version(rows_where(reshard_after_forward="2")))
 def test_integer_reshard_really_reshards_onto_groups_of_two(row_report, index):
     """After forward, block parameters live on groups of 2 ranks instead of the whole
     shard group: natively on meshes without tp, on the engine's (groups, 2, tp) mesh
@@ -231,7 +239,8 @@ def test_integer_reshard_really_reshards_onto_groups_of_two(row_report, index):
 def test_reshard_true_returns_to_the_whole_shard_group(row_report):
     """After forward, a block's parameters are sharded over the whole shard group (dp x cp,
     beside hsdp and tp) again, as before it."""
-    index = rows_where(reshard_after_forward="true", pipeline="off")[0]
+    candidates = rows_where(reshard_after_forward="true", pipeline="off")
+    index = next((i for i in candidates if i in VALUE_ROWS), candidates[0])
     spec = parse_mesh(mesh_of(ROWS[index]))
     mesh, _, local_shape = row_report(index)[0]["post_forward_layout"]["attention.wq.weight"]
     sizes = [size for size, kept in ((spec.hsdp, spec.hsdp > 1), (spec.shard_size, True), (spec.tp, spec.tp > 1))

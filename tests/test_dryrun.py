@@ -177,18 +177,21 @@ def test_dry_run_bad_input_is_one_paragraph(args, expected):
 
 
 @pytest.fixture(scope="module")
-def combination_reports(tmp_path_factory):
-    """`launch/run.py --dry-run` of every row of the combination matrix, two at a time."""
+def combination_reports(tmp_path_factory, request):
+    """`launch/run.py --dry-run` of the combination matrix's rows this session tests, two at
+    a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.combinations import ROWS, mesh_of, overrides
+    from tests.distributed import selected
 
     out = tmp_path_factory.mktemp("dryrun-rows")
     hf_root = tmp_path_factory.mktemp("dryrun-hf-folders")
 
     # Written here, one after another: importing transformers from two threads at once
     # leaves one of them a half-initialised module.
-    row_overrides = [overrides(row, hf_root) for row in ROWS]
+    indices = selected(request.session, __name__, "index")
+    row_overrides = {index: overrides(ROWS[index], hf_root) for index in indices}
 
     def run(index):
         report = out / f"row-{index}.json"
@@ -197,15 +200,15 @@ def combination_reports(tmp_path_factory):
         return result, json.loads(report.read_text()) if report.exists() else None
 
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(run, range(len(ROWS))))
+        return dict(zip(indices, pool.map(run, indices)))
 
 
 def _row_indices():
-    from tests.combinations import ROWS
-    return range(len(ROWS))
+    """Every row; the other torch versions (the compat subset) dry-run VALUE_ROWS."""
+    from tests.combinations import ROWS, VALUE_ROWS
+    return [pytest.param(i, marks=pytest.mark.compat) if i in VALUE_ROWS else i for i in range(len(ROWS))]
 
 
-@pytest.mark.compat
 @pytest.mark.parametrize("index", _row_indices())
 def test_dry_run_of_every_combination_row(combination_reports, index):
     """Every setting the engine has, with every other (tests/combinations.py), simulates."""

@@ -14,12 +14,12 @@ def specs(draw):
     values = {name: draw(sizes) for name in DIM_ORDER}
     if draw(st.booleans()):
         values[draw(st.sampled_from(DIM_ORDER))] = -1
-    return MeshSpec(**values)
+    return MeshSpec(ep=draw(st.integers(min_value=1, max_value=8)), **values)
 
 
 @given(specs(), st.randoms())
 def test_round_trip_in_any_order_and_spacing(spec, rnd):
-    items = [f"{n}={s}" for n, s in zip(DIM_ORDER, spec.sizes)]
+    items = [f"{n}={s}" for n, s in zip(DIM_ORDER, spec.sizes)] + [f"ep={spec.ep}"]
     rnd.shuffle(items)
     text = " , ".join(items) if rnd.random() < 0.5 else ",".join(items)
     assert parse_mesh(text) == spec
@@ -43,7 +43,8 @@ def test_minus_one_takes_the_rest(spec, rest):
     ("dp=4;tp=2", "cannot read"),
     ("dp=four", "cannot read"),
     ("dp=2.5", "cannot read"),
-    ("ep=2", "unknown dimension 'ep'. Known dimensions are pp, hsdp, dp, cp, tp"),
+    ("ez=2", "unknown dimension 'ez'. Known dimensions are pp, hsdp, dp, cp, tp (outermost first), and ep"),
+    ("dp=4,ep=-1", "ep borrows its ranks from dp, so it cannot take the rest"),
     ("dp=2,dp=2", "given twice"),
     ("dp=0", "not a valid size"),
     ("tp=-2", "not a valid size"),
@@ -56,7 +57,7 @@ def test_malformed_text_is_rejected_with_the_reason(text, fragment):
     assert fragment in str(err.value)
 
 
-@given(st.text(alphabet="hsdptp=,-0123456789 ;.x", max_size=20))
+@given(st.text(alphabet="hsdpte=,-0123456789 ;.x", max_size=20))
 def test_every_string_is_either_parsed_or_rejected_cleanly(text):
     try:
         spec = parse_mesh(text)

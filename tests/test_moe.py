@@ -107,3 +107,31 @@ def test_the_dry_run_refuses_a_mixture_of_experts_with_what_to_run_instead():
     assert_refused(("--dry-run", "--world", "8", "--mesh", "dp=4,tp=2", "--set", "model.name=llama_moe",
                     "--set", "model.flavor=mixtral-8x7B", "--set", "parallel.plan=llama_moe"),
                    "do not model a mixture of experts yet", "--parity on a real mesh")
+
+
+MOE_ARGS = ("--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe", "--set", "parallel.plan=llama_moe")
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_reshards_between_ep_degrees(tmp_path):
+    """Real runs over gloo: 4 steps at dp=4,ep=2 with a checkpoint at step 2, loaded at ep=4
+    and without ep (dp=2). The first loss after loading equals the saving run's loss at
+    that step within the fp32 parity tolerance, 1e-5."""
+    import json
+
+    from engine.checkpoint.store import step_name
+    from tests.distributed import launcher
+    from tests.test_cli import losses
+
+    source = tmp_path / "source"
+    saved = launcher("--mesh", "dp=4,ep=2", *MOE_ARGS, "--set", "training.steps=4", "--set", "checkpoint.every=2",
+                     "--set", f"run.dir={source}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    for mesh in ("dp=4,ep=4", "dp=2"):
+        run_dir = tmp_path / mesh.replace(",", "-").replace("=", "")
+        resumed = launcher("--mesh", mesh, *MOE_ARGS, "--resume", str(source / "checkpoints" / step_name(2)),
+                           "--set", "training.steps=3", "--set", f"run.dir={run_dir}")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "saved on mesh dp=4,ep=2" in resumed.stdout
+        first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["step"] == 2 and abs(first["loss"] - losses(source)[2]) <= 1e-5, (mesh, first)

@@ -25,6 +25,7 @@ import pytest
 from tests.distributed import parity_report, run_together, selected
 
 MOE = ("model.name=llama_moe", "model.flavor=debug-moe", "parallel.plan=llama_moe")
+MOE_SHALLOW = (*MOE, "parity.layers=2")  # 2 of its 4 blocks, where no pipeline needs 4 stages
 GPT2 = ("model.name=gpt2", "parallel.plan=gpt2", "model.plugin=examples.gpt2_plan")
 PLANTED_BUG = ("model.plugin=tests.planted_bug_plan", "parallel.plan=llama_sp_missing_norm",
                "parallel.sequence_parallel=true")
@@ -42,17 +43,22 @@ MATRIX = {
     # float8), its linears split over tp with sequence parallel.
     "float8-tensorwise-tp-sp": ("dp=2,tp=2", ("parallel.float8=tensorwise", "parallel.param_dtype=bfloat16",
                                               "parallel.sequence_parallel=true")),
-    # The mixture of experts (models/moe.py: 8 experts, top 2, a shared expert) beside each
-    # dimension: the experts whole on every tp rank, sequence parallel gathering into them;
-    # a looped pipeline over context parallel; an integer reshard with op-level AC; compiled.
-    "moe-tp-sp-float8": ("dp=2,tp=2", (*MOE, "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
+    # The mixture of experts (models/moe.py: 8 experts, top 2, a shared expert): without ep,
+    # the experts whole on every tp rank and sequence parallel gathering into them, in
+    # float8 but for the router; with ep (parallel/expert.py: ep borrowed from dp), beside
+    # tp with sequence and loss parallel, a looped pipeline with op-level AC and the
+    # cheap recompute, cp, hsdp with offload, and compiled at ep=4.
+    "moe-tp-sp-float8": ("dp=2,tp=2", (*MOE_SHALLOW, "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
                                        "parallel.float8=rowwise")),
-    "moe-pp-cp": ("pp=2,cp=2", (*MOE, "training.micro_batches=2", "parallel.pp_schedule=Interleaved1F1B",
-                                "parallel.pp_stages_per_rank=2", "parallel.activation_checkpoint=full")),
-    "moe-hsdp-reshard-op": ("hsdp=2,dp=2", (*MOE, "parallel.activation_checkpoint=op", "parallel.param_dtype=bfloat16",
-                                            "parallel.reshard_after_forward=2", "parallel.recompute_cheap=true")),
-    "moe-compiled": ("dp=2", (*MOE, "parallel.compile=true", "parallel.activation_checkpoint=selective",
-                              "parallel.param_dtype=bfloat16")),
+    "moe-ep-tp-sp": ("dp=2,ep=2,tp=2", (*MOE_SHALLOW, "parallel.sequence_parallel=true", "parallel.loss_parallel=true")),
+    "moe-ep-pp-op": ("pp=2,dp=2,ep=2", (*MOE, "training.micro_batches=2", "parallel.pp_schedule=Interleaved1F1B",
+                                        "parallel.pp_stages_per_rank=2", "parallel.activation_checkpoint=op",
+                                        "parallel.recompute_cheap=true")),
+    "moe-ep-cp": ("dp=2,ep=2,cp=2", (*MOE_SHALLOW, "parallel.activation_checkpoint=full", "parallel.param_dtype=bfloat16")),
+    "moe-ep-hsdp-offload": ("hsdp=2,dp=2,ep=2", (*MOE_SHALLOW, "parallel.activation_checkpoint=selective",
+                                                 "parallel.offload=true")),
+    "moe-ep4-compiled": ("dp=4,ep=4", (*MOE_SHALLOW, "parallel.compile=true", "parallel.activation_checkpoint=selective",
+                                       "parallel.param_dtype=bfloat16")),
 }
 
 

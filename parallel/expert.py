@@ -1,0 +1,113 @@
+"""Expert parallelism (`ep` in --mesh): each mixture of experts' routed experts are split
+over the ep ranks, and every token travels to the rank that holds its expert and back.
+
+The ep ranks are borrowed from dp, as torchtitan borrows them from its data ranks: they
+read different rows, attention and every dense weight stay as dp has them, and only the
+experts are split. So adding ep changes neither the world size nor the batch, and each
+expert sees the tokens of its ep group's ep ranks. The world mesh's dp dimension is
+split, in a mesh of its own for the experts (ParallelDims.experts), into
+(expert-dp, ep), ep inside: the experts' weights are sharded over ep by expert
+(DTensor Shard(0)) and FSDP shards each rank's experts over the expert-dp ranks (and cp).
+
+Dispatch and combine are all_to_all_single with uneven splits (gloo and NCCL both
+implement it; gloo lacks the list form, pytorch#88245). Each expert's gradient sums
+the tokens of ep data ranks, so it is scaled by 1/ep on the way back; FSDP's average over
+the remaining data ranks then completes the mean over all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from common.errors import UserError
+from parallel.plan import Plan, expand
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single whose backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x, received: list[int], sent: list[int], group):
+        ctx.splits, ctx.group = (received, sent), group
+        out = x.new_empty((sum(received), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        received, sent = ctx.splits
+        back = grad.new_empty((sum(sent), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), sent, received, group=ctx.group)
+        return back, None, None, None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward under ep: x holds this rank's tokens sorted by (global)
+    expert, counts[e] of them for expert e. They go to the ranks holding their experts,
+    run there sorted by local expert, and come back in x's order."""
+    ep = dist.get_world_size(group)
+    local = counts.numel() // ep
+    received_counts = torch.empty_like(counts)  # [source rank, local expert]
+    dist.all_to_all_single(received_counts, counts, group=group)
+    sent = counts.view(ep, local).sum(1).tolist()
+    received_per_rank = received_counts.view(ep, local)
+    received = _AllToAll.apply(x, received_per_rank.sum(1).tolist(), sent, group)
+    # Received rows come by source rank, then local expert: sort them by local expert.
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep),
+                                            received_per_rank.flatten())
+    order = expert_of_row.argsort(stable=True)
+    weights = [_ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
+               for w in (experts.w13, experts.w2)]
+    out = experts.compute(received[order], received_per_rank.sum(0), *weights)
+    restored = torch.empty_like(out).index_copy_(0, order, out)
+    return _AllToAll.apply(restored, sent, received_per_rank.sum(1).tolist(), group)
+
+
+def expert_paths(model: nn.Module, plan: Plan) -> list[str]:
+    return expand(model, plan.experts, plan.name) if plan.experts else []
+
+
+def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int) -> None:
+    """Refuse ep where it cannot split, before any process group (exit 2)."""
+    if ep == 1:
+        return
+    if dp % ep:
+        raise UserError(f"ep={ep} borrows its ranks from dp, so it must divide dp={dp}. Choose ep from the "
+                        f"divisors of dp, or a larger dp (the world size stays the product without ep).")
+    paths = expert_paths(model, plan) if plan.experts else []
+    if not paths:
+        raise UserError(f"ep={ep} splits a mixture of experts' experts, but plan {plan.name!r} names none "
+                        f"(Plan.experts). Use a model with experts (model.name=llama_moe, "
+                        f"parallel.plan=llama_moe), or leave ep out of --mesh.")
+    for path in paths:
+        n_experts = model.get_submodule(path).w13.shape[0]
+        if n_experts % ep:
+            raise UserError(f"ep={ep} must divide the number of experts, {n_experts} in {path}. Choose ep "
+                            f"from the divisors of {n_experts}.")
+
+
+def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh) -> list[str]:
+    """Shard each experts module's weights over ep by expert and route its forward through
+    dispatch_forward. Returns the modules' paths."""
+    paths = expert_paths(model, plan)
+    group = ep_mesh.get_group()
+    for path in paths:
+        experts = model.get_submodule(path)
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        experts.forward = lambda x, counts, experts=experts: dispatch_forward(experts, group, x, counts)
+    return paths
