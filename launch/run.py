@@ -147,7 +147,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         check_hf_export(model, cfg.checkpoint.hf_export)
     if spec.ep > 1:
         from parallel.expert import check_expert_parallel
-        check_expert_parallel(model, plan, spec.ep, spec.dp)
+        check_expert_parallel(model, plan, spec.ep, spec.dp, cfg.parallel.compile)
         if not isinstance(resolve_reshard(cfg.parallel.reshard_after_forward, spec), bool):
             raise UserError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} (an integer reshard) "
                             f"does not run with ep={spec.ep} yet: the experts are sharded over a mesh of their own. "
