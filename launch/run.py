@@ -147,11 +147,8 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         check_hf_export(model, cfg.checkpoint.hf_export)
     if spec.ep > 1:
         from parallel.expert import check_expert_parallel
-        check_expert_parallel(model, plan, spec.ep, spec.dp, cfg.parallel.compile)
-        if not isinstance(resolve_reshard(cfg.parallel.reshard_after_forward, spec), bool):
-            raise UserError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} (an integer reshard) "
-                            f"does not run with ep={spec.ep} yet: the experts are sharded over a mesh of their own. "
-                            f"Set it to true or false, or leave ep out of --mesh.")
+        check_expert_parallel(model, plan, spec.ep, spec.dp, cfg.parallel.compile,
+                              resolve_reshard(cfg.parallel.reshard_after_forward, spec))
     if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
                       cfg.parallel.sequence_parallel)

@@ -133,7 +133,7 @@ class Experts(nn.Module):
 
     def __init__(self, args: MoEArgs):
         super().__init__()
-        self.n_experts, self.hidden = args.n_experts, args.routed_hidden
+        self.n_experts = args.n_experts
         self.w13 = nn.Parameter(torch.empty(args.n_experts, 2 * args.routed_hidden, args.dim))
         self.w2 = nn.Parameter(torch.empty(args.n_experts, args.dim, args.routed_hidden))
         # The compute dtypes in which the grouped GEMM runs on this module's device, found

@@ -290,9 +290,9 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, op
     their own mesh (an integer reshard is refused with ep up front)."""
     policies = fsdp_policies(options, dims.device_type)
     for block in blocks:
-        for experts in expert_modules:
-            if any(experts is module for module in block.modules()):
-                fully_shard(experts, mesh=dims.expert_fsdp, reshard_after_forward=reshard, **policies)
+        inside = {id(module) for module in block.modules()}
+        for experts in (module for module in expert_modules if id(module) in inside):
+            fully_shard(experts, mesh=dims.expert_fsdp, reshard_after_forward=reshard, **policies)
         fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
                     **policies)
         if post_forward_mesh is not None:

@@ -65,7 +65,8 @@ def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.T
     dist.all_to_all_single(received_counts, counts, group=group)
     sent = counts.view(ep, local).sum(1).tolist()
     received_per_rank = received_counts.view(ep, local)
-    received = _AllToAll.apply(x, received_per_rank.sum(1).tolist(), sent, group)
+    received_rows = received_per_rank.sum(1).tolist()
+    received = _AllToAll.apply(x, received_rows, sent, group)
     # Received rows come by source rank, then local expert: sort them by local expert.
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep),
                                             received_per_rank.flatten())
@@ -74,7 +75,7 @@ def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.T
                for w in (experts.w13, experts.w2)]
     out = experts.compute(received[order], received_per_rank.sum(0), *weights)
     restored = torch.empty_like(out).index_copy_(0, order, out)
-    return _AllToAll.apply(restored, sent, received_per_rank.sum(1).tolist(), group)
+    return _AllToAll.apply(restored, sent, received_rows, group)
 
 
 def expert_paths(model: nn.Module, plan: Plan) -> list[str]:
@@ -90,8 +91,9 @@ def compiles_correctly() -> bool:
     return torch.__version__ >= "2.13"
 
 
-def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, compile: bool = False) -> None:
-    """Refuse ep where it cannot split, before any process group (exit 2)."""
+def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, compile: bool, reshard) -> None:
+    """Refuse ep where it cannot split, before any process group (exit 2). `reshard`: the
+    blocks' resolved reshard_after_forward."""
     if ep == 1:
         return
     if compile and not compiles_correctly():
@@ -101,7 +103,11 @@ def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, compil
     if dp % ep:
         raise UserError(f"ep={ep} borrows its ranks from dp, so it must divide dp={dp}. Choose ep from the "
                         f"divisors of dp, or a larger dp (the world size stays the product without ep).")
-    paths = expert_paths(model, plan) if plan.experts else []
+    if not isinstance(reshard, bool):
+        raise UserError(f"reshard_after_forward={reshard} (an integer reshard) does not run with ep={ep} yet: the "
+                        f"experts are sharded over a mesh of their own. Set parallel.reshard_after_forward to true "
+                        f"or false, or leave ep out of --mesh.")
+    paths = expert_paths(model, plan)
     if not paths:
         raise UserError(f"ep={ep} splits a mixture of experts' experts, but plan {plan.name!r} names none "
                         f"(Plan.experts). Use a model with experts (model.name=llama_moe, "

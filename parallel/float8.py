@@ -106,8 +106,8 @@ def convert_to_float8(model: nn.Module, paths: list[str], recipe: str, all_gathe
 
 
 
-def check_settings(model: nn.Module, block_paths: list[str], skip: tuple[str, ...], options, reshard: bool | int, tp_styles: dict,
-                   tp: int, device_type: str | None) -> None:
+def check_settings(model: nn.Module, block_paths: list[str], skip: tuple[str, ...], options, reshard: bool | int,
+                   tp_styles: dict, tp: int, device_type: str | None) -> None:
     """Everything float8 can refuse, before any process starts. `reshard` is the blocks'
     resolved reshard_after_forward; `device_type` None (a dry run) skips the GPU's check."""
     if options.float8_all_gather and options.float8 != "tensorwise":

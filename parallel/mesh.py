@@ -197,29 +197,22 @@ def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:
 
     world = init_device_mesh(device_type, spec.sizes, mesh_dim_names=DIM_ORDER)
     data = world["hsdp", "dp", "cp"]._flatten("data")
-    if spec.cp == 1:
-        fsdp = world["hsdp", "dp"] if spec.hsdp > 1 else world["dp"]
-    elif spec.hsdp == 1:
-        fsdp = world["dp", "cp"]._flatten("dp_cp")
-    else:  # (hsdp, dp_cp): slicing a flattened dimension out of `world` is deprecated
-        fsdp = data._unflatten(0, (spec.hsdp, spec.shard_size), ("hsdp", "dp_cp"))
-    dims = ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=fsdp,
+    dims = ParallelDims(spec=spec, device_type=device_type, world=world, fsdp=_fsdp_mesh(world, data, spec, "dp"),
                         tp=world["tp"], data=data, cp=world["cp"], pp=world["pp"])
     if spec.ep > 1:
         experts = init_device_mesh(device_type, (spec.pp, spec.hsdp, spec.dp // spec.ep, spec.ep, spec.cp, spec.tp),
                                    mesh_dim_names=("pp", "hsdp", "edp", "ep", "cp", "tp"))
-        dims.ep, dims.expert_fsdp = experts["ep"], _shard_mesh(experts, spec.hsdp, ("edp", "cp"))
+        expert_data = experts["hsdp", "edp", "cp"]._flatten("expert_data")
+        dims.ep, dims.expert_fsdp = experts["ep"], _fsdp_mesh(experts, expert_data, spec, "edp")
     return dims
 
 
-def _shard_mesh(world, hsdp: int, shard_dims: tuple[str, ...]):
-    """What fully_shard gets: the shard dimensions (those larger than 1, flattened), with
-    hsdp before them when hsdp > 1."""
-    used = [dim for dim in shard_dims if world[dim].size() > 1] or [shard_dims[0]]
-    name = "_".join(used)
-    if len(used) == 1:
-        return world["hsdp", used[0]] if hsdp > 1 else world[used[0]]
-    if hsdp == 1:
-        return world[tuple(used)]._flatten(name)
-    flat = world[("hsdp", *used)]._flatten(f"hsdp_{name}")
-    return flat._unflatten(0, (hsdp, flat.size() // hsdp), ("hsdp", name))
+def _fsdp_mesh(world, data, spec: MeshSpec, shard: str):
+    """What fully_shard gets: `shard` (dp, or the experts' edp), flattened with cp when
+    cp > 1, after hsdp when hsdp > 1. `data` is hsdp x shard x cp flattened."""
+    if spec.cp == 1:
+        return world["hsdp", shard] if spec.hsdp > 1 else world[shard]
+    if spec.hsdp == 1:
+        return world[shard, "cp"]._flatten(f"{shard}_cp")
+    # (hsdp, shard_cp): slicing a flattened dimension out of `world` is deprecated
+    return data._unflatten(0, (spec.hsdp, data.size() // spec.hsdp), ("hsdp", f"{shard}_cp"))
