@@ -1,5 +1,6 @@
 # `make run` trains the debug model on the default mesh; `make test` runs the suite.
 # Both create .venv on first use and install only what is missing.
+# `make test-matrix` runs the combination matrix (every pair of settings' values, each row a --parity run).
 # `make test-slow` runs the long drills the main suite leaves out (multi-node faults, planner searches).
 # `make test-docs` runs every command the README and docs/ show, as typed.
 # `make test-compat TORCH_SPEC=torch==2.11.0` runs the parity and combination subset
@@ -22,7 +23,7 @@ REQUIREMENTS = $(shell $(PYTHON) -c "import configparser; c = configparser.Confi
 	+ c['options.extras_require']['data']).split() \
 	if not r.startswith('torch')))")
 
-.PHONY: run test test-slow test-docs env clean compat-env test-compat
+.PHONY: run test test-matrix test-slow test-docs env clean compat-env test-compat
 
 $(VENV)/.ready: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -42,6 +43,9 @@ $(COMPAT_VENV)/.ready: setup.cfg
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(REQUIREMENTS)
 	touch $@
+
+test-matrix: env
+	$(PY) -m pytest -q -m matrix tests $(ARGS)
 
 test-slow: env
 	$(PY) -m pytest -q -m slow tests $(ARGS)

@@ -99,6 +99,13 @@ class EvalConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture of experts' balancing (models/moe.py; docs/parallelism.md, "Mixture of experts")."""
+    load_balance: float = 0.0  # weight of the per-sequence load-balancing loss in the step's loss; 0: none
+    bias_rate: float = 0.0  # each step, the sigmoid router's bias moves this much toward balance; 0: never
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 1
     tensorboard: bool = False  # write scalars under run.dir/tensorboard
@@ -173,6 +180,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     run: RunConfig = field(default_factory=RunConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -253,6 +261,8 @@ RANGES = {
     ("parity", "steps"): POSITIVE,
     ("parallel", "pp_stages_per_rank"): Range(1, INT64, meaning="pipeline stages on each rank"),
     ("parity", "layers"): Range(0, meaning="0 takes the flavor's depth"),
+    ("moe", "load_balance"): Range(0, meaning="0 adds no load-balancing loss"),
+    ("moe", "bias_rate"): Range(0, meaning="0 leaves the router's bias alone"),
     ("dryrun", "gpus_per_node"): POSITIVE,
     ("dryrun", "peak_tflops"): Range(0, meaning="0 takes the device profile's"),
     ("dryrun", "intra_node_gbps"): Range(0, meaning="0 takes the device profile's"),

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from engine.data.sources import TokenSource, local_batch
 from engine.data.token_file import OutOfVocabulary
+from engine import routing
 from common.errors import NonFiniteLoss, raise_if_any_rank
 from engine.grad_norm import clip_grad_norm
 from engine.metrics.memory import LargestOverRanks
@@ -145,6 +146,9 @@ class StepResult:
     skipped: bool = False  # the loss was NaN or inf, so the parameters were not updated
     val_loss: float | None = None  # set on evaluation steps (eval.every)
     eval_s: float = 0.0
+    # A mixture of experts' routing in the step: each routed layer's figures over all data
+    # ranks and stages (engine/routing.py: summary), None for a model without experts
+    routed: dict | None = None
 
 
 def forward_backward(model, inputs, targets, micro_batches: int = 1, loss: Callable = loss_fn) -> torch.Tensor:
@@ -154,6 +158,7 @@ def forward_backward(model, inputs, targets, micro_batches: int = 1, loss: Calla
     Vocabulary-sharded logits (loss parallel) need the loss and its backward inside
     loss_parallel(); the returned loss is a plain tensor either way. Under pipeline
     parallel the slices are the schedule's micro-batches (run_pipeline)."""
+    routing.begin_step(model, micro_batches)
     if pipeline_of(model) is not None:
         return run_pipeline(model, inputs, targets, micro_batches, loss, backward=True)
     total = torch.zeros((), device=inputs.device)
@@ -182,6 +187,9 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
     loss = global_mean(local_loss, data_group, pipeline_group(model))
+    routed = routing.finish_step(model, data_group, pipeline_group(model),
+                                 bool(routing.routed_layers(whole_model(model))),
+                                 routing.tokens_in_step(inputs, data_group))
     computed = time.perf_counter()
     if inspect_grads is not None:
         inspect_grads(model)
@@ -192,7 +200,7 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=loss, grad_norm=norm, lr=lr, forward_backward_s=computed - started,
-                      optimizer_s=time.perf_counter() - computed, skipped=skipped)
+                      optimizer_s=time.perf_counter() - computed, skipped=skipped, routed=routed)
 
 
 def rank_batch(source, step: int, training, dims) -> tuple[torch.Tensor, torch.Tensor]:

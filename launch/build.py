@@ -55,6 +55,7 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_we
     """The model built on meta, parallelized by its plan, then given its initial values
     from the seed, or with checkpoint.hf_import from that checkpoint (unless
     `import_weights` is false: a resumed run loads its own). Returns (model, AppliedPlan)."""
+    from engine import routing
     from models import build_on_meta
     from models.materialise import materialise
     from parallel.apply import apply_plan
@@ -70,11 +71,13 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_we
         from engine.checkpoint.hf import load_hf
         load_hf(model, cfg.checkpoint.hf_import)  # a collective: each rank reads its own slices
     sync_tied_weights(model)
+    routing.configure(model, cfg.moe)
     return model, applied
 
 
 def single_device_model(cfg, device, n_layers: int = 0, dtype=None):
     """The same model, whole, on one device, with the same initial values (or imported weights)."""
+    from engine import routing
     from models import build_on_meta
     from models.materialise import materialise
 
@@ -83,4 +86,5 @@ def single_device_model(cfg, device, n_layers: int = 0, dtype=None):
     if cfg.checkpoint.hf_import:
         from engine.checkpoint.hf import load_hf
         load_hf(model, cfg.checkpoint.hf_import)  # a plain model: no collective
+    routing.configure(model, cfg.moe)
     return model if dtype is None else model.to(dtype)

@@ -134,6 +134,8 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     hf_import = cfg.checkpoint.hf_import
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     check_model_contract(model, cfg.model.name)
+    from engine.routing import check as check_routing
+    check_routing(model, cfg.moe, spec.cp)
     if args.dry_run or args.plan_for:
         check_simulated_model(model, cfg.model.name)
     if not (args.dry_run or args.plan_for):  # a dry run reads no data

@@ -42,6 +42,10 @@ MEMBERS = (
      "6 x matmul parameters + 12 x n_layers x dim x seq_len (engine/metrics/throughput.py)"),
     ("args.n_layers", "int", "optional", "parity.layers (a reduced depth) and the FLOPs estimate use it"),
     ("args.dim", "int", "optional", "the FLOPs estimate's attention term uses it"),
+    ("routing_totals", "a buffer of n_experts + 4 floats on each routed layer, with balance(load), load_balance, "
+     "bias_rate, slices and biased", "for a mixture of experts' figures and balancing",
+     "each step the loop zeroes it, sums it over the data ranks, shows the layer's load, router entropy and "
+     "load-balancing loss, and calls balance(tokens per expert) (engine/routing.py; models/moe.py's MoE is one)"),
 )
 
 

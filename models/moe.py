@@ -8,6 +8,17 @@ build has one for the device and dtype (torch._grouped_mm), or one matmul per ex
 elsewhere; the choice is made once, when the model is materialised on its device
 (`grouped_gemm_works`), and both ways give the same values (tests/test_moe.py).
 
+Load balance: each MoE computes, per sequence, the load-balancing loss E x sum_e f_e x P_e
+(f_e: the share of the sequence's top-k choices that went to expert e; P_e: the router's
+mean probability for e; 1 when balanced, E when one expert takes everything). With a
+weight (config `moe.load_balance`) it joins the step's loss through the MoE's output
+(`_AddLossGradient`), so its gradient is right for any micro-batch count and pipeline
+schedule. Per sequence, it does not depend on how the batch is split over ranks or
+micro-batches. The sigmoid router's bias instead moves toward balance after each step
+(config `moe.bias_rate`, `Router.update_bias`; DeepSeek-V3's auxiliary-loss-free method).
+Each MoE adds its tokens per expert, router entropy and loss into `routing_totals`, which
+the loop reads once a step (engine/routing.py).
+
 The expert weights are 3-D, one slice per expert, in the layout of transformers'
 MixtralExperts: gate and up projections stacked (`w13`, experts x 2 hidden x dim) and the
 down projection (`w2`, experts x dim x hidden).
@@ -68,6 +79,8 @@ FLAVORS = {
 # The debug MoE with Mixtral's router and no shared expert: the oracle test's shape.
 FLAVORS["debug-moe-mixtral"] = dataclasses.replace(FLAVORS["debug-moe"], shared_hidden=0)
 FLAVORS["debug-moe-sigmoid"] = dataclasses.replace(FLAVORS["debug-moe"], router="sigmoid", dense_layers=1)
+# 8 blocks, as the dense debug-deep: a pipeline of 2 stages per rank with an uneven split.
+FLAVORS["debug-moe-deep"] = dataclasses.replace(FLAVORS["debug-moe"], n_layers=8)
 
 
 def check_args(args: MoEArgs, what: str) -> None:
@@ -93,8 +106,10 @@ class Router(nn.Module):
         # only, so it takes no gradient; it stays zero until something updates it.
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=args.router == "sigmoid")
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (tokens, dim) -> (weights (tokens, k) in x's dtype, experts (tokens, k))."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (tokens, dim) -> (weights (tokens, k) in x's dtype, experts (tokens, k), each
+        token's probability over all experts (tokens, n_experts) in fp32: the softmax, or the
+        sigmoid scores over their sum)."""
         logits = self.gate(x).float()
         if self.kind == "softmax":
             probs = logits.softmax(dim=-1)
@@ -103,8 +118,18 @@ class Router(nn.Module):
             scores = logits.sigmoid()
             experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, experts)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return weights.to(x.dtype), experts, probs
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's balancing without a loss: each expert's bias moves by `rate` toward
+        the mean load, down for an expert that took more tokens than the mean, up for one
+        that took fewer. `load`: tokens per expert over all data ranks, so every rank moves
+        its copy alike. The softmax router has no bias."""
+        if self.kind == "sigmoid" and rate:
+            self.expert_bias += rate * torch.sign(load.mean() - load.to(self.expert_bias))
 
 
 def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -158,32 +183,83 @@ class Experts(nn.Module):
         return torch.cat(outputs)
 
 
+class _AddLossGradient(torch.autograd.Function):
+    """The MoE's output, unchanged; its backward also starts the backward of `loss` (the
+    load-balancing loss) with `weight`, as if weight x loss had been added to the step's
+    loss. Carried by the output, that gradient reaches the router whatever order a pipeline
+    schedule runs its micro-batches' backwards in, and no loss value has to travel to the
+    last stage (Megatron-core attaches its auxiliary losses the same way)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
+
+
 class MoE(nn.Module):
     """Routed experts (and a shared one): the feed-forward of an MoE block."""
 
     def __init__(self, args: MoEArgs):
         super().__init__()
         self.top_k = args.top_k
+        self.n_experts = args.n_experts
         self.router = Router(args)
         self.experts = Experts(args)
         self.shared = FeedForward(args.dim, args.shared_hidden) if args.shared_hidden else None
+        # Set by the loop (engine/routing.py): the load-balancing loss's weight and the sigmoid
+        # router's bias step (configure), and the parts a step's rows are split into, each
+        # forward one part, whose loss weighs 1/slices (begin_step).
+        self.load_balance, self.bias_rate, self.slices = 0.0, 0.0, 1
+        self.biased = args.router == "sigmoid"  # whether bias_rate acts on its router
+        # Tokens per expert, then the sums of router entropy and load-balancing loss, the
+        # tokens and the sequences, added to by each forward and read by the loop.
+        self.register_buffer("routing_totals", torch.zeros(args.n_experts + 4), persistent=False)
+
+    def balance(self, load: torch.Tensor) -> None:
+        """After a step: `load`, tokens per expert over all data ranks (engine/routing.py)."""
+        self.router.update_bias(load, self.bias_rate)
+
+    def balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Per sequence, E x sum_e f_e x P_e: probs (sequences, tokens, E), experts
+        (sequences, tokens, k) -> (sequences,). f has no gradient; P carries the router's."""
+        sequences, tokens, n_experts = probs.shape
+        chosen = experts.reshape(sequences, -1)
+        share = torch.zeros(sequences, n_experts, device=probs.device).scatter_add_(
+            1, chosen, torch.ones(chosen.shape, device=probs.device)) / chosen.shape[1]
+        return n_experts * (share * probs.mean(dim=1)).sum(dim=-1)
+
+    @torch.no_grad()
+    def record(self, counts: torch.Tensor, probs: torch.Tensor, balance: torch.Tensor) -> None:
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+        seen = torch.tensor([probs.shape[0] * probs.shape[1], probs.shape[0]], device=probs.device)
+        self.routing_totals += torch.cat([counts.to(torch.float32), entropy.view(1), balance.sum().view(1), seen])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts = self.router(tokens)
+        weights, experts, probs = self.router(tokens)
         # Sort the (token, choice) pairs by expert; a stable sort keeps each expert's tokens
         # in their order, so the result does not depend on the sort's implementation.
         order = experts.flatten().argsort(stable=True)
         flat = experts.flatten()
         counts = torch.zeros(self.experts.n_experts, dtype=flat.dtype, device=flat.device).index_add_(
             0, flat, torch.ones_like(flat))
+        length = shape[-2] if len(shape) > 2 else tokens.shape[0]  # (tokens, dim): one sequence
+        probs = probs.view(-1, length, self.n_experts)
+        balance = self.balance_loss(probs, experts.view(-1, length, self.top_k))
+        self.record(counts, probs, balance)
         routed = self.experts(tokens[order // self.top_k], counts)
         # Back to (token, choice) order, then each token's k outputs summed by weight.
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
         out = (unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:
             out = out + self.shared(tokens)
+        if self.load_balance and torch.is_grad_enabled():
+            out = _AddLossGradient.apply(out, balance.mean(), self.load_balance / self.slices)
         return out.view(shape)
 
 
@@ -215,6 +291,10 @@ class MoELlama(Llama):
         for module in self.modules():
             if isinstance(module, Experts):
                 module.grouped_dtypes = grouped
+            if isinstance(module, Router):
+                module.expert_bias.zero_()  # a checkpoint that holds it loads it afterwards
+            if isinstance(module, MoE):
+                module.routing_totals.zero_()
 
     def init_distribution(self, fqn: str) -> Normal | Constant:
         if fqn.endswith("experts.w2"):

@@ -14,8 +14,8 @@ usage: python -m tests.combinations              (prints the rows as launch/run.
 
 from __future__ import annotations
 
-import math
 import random
+import re
 from itertools import combinations
 
 FACTORS: dict[str, tuple] = {
@@ -55,6 +55,10 @@ FACTORS: dict[str, tuple] = {
     # launch/run.py, check_parity); tests/test_parity.py runs tensorwise without it
     # beside tp.
     "float8": ("none", "tensorwise", "rowwise"),
+    # The model: the dense debug Llama, or the mixture of experts (model.name=llama_moe:
+    # 8 experts, top 2, a shared expert) with its experts whole on every rank, or split over
+    # ep=2 ranks borrowed from dp (parallel/expert.py).
+    "experts": ("dense", "moe", "moe-ep"),
 }
 
 # Sizes per mesh kind, at 4 ranks where the kind allows. An integer reshard needs a
@@ -84,7 +88,8 @@ LAYERS, PIPELINE_LAYERS, STEPS = 2, 4, 3  # 4 blocks: 2 stages per rank at pp=2 
 UNEVEN_SPLITS = {1: ("3,1", 4), 2: ("5,1,1,1", 8)}
 ENDS_SPLITS = {1: ("0,4", 4), 2: ("0,2,2,0", 4)}
 SPLITS = {"uneven": UNEVEN_SPLITS, "ends": ENDS_SPLITS}
-DEBUG_LAYERS = 4  # the debug flavor's blocks; deeper rows with seeded weights take debug-deep
+DEBUG_LAYERS = 4  # the debug flavors' blocks; deeper rows with seeded weights take debug-deep or debug-moe-deep
+MOE = ("model.name=llama_moe", "parallel.plan=llama_moe")
 ZERO_BUBBLE = ("ZBVZeroBubble",)
 
 
@@ -111,7 +116,12 @@ def allowed(row: dict) -> bool:
     parallel/apply.py, recomputes_cheap_activations), and 1F1B with fewer micro-batches than stages
     (parallel/pipeline.py: check_settings), and float8 all-gathers (the tensorwise rows)
     with an integer reshard (parallel/float8.py: check_settings); what --parity refuses:
-    tensorwise scaling with cp (launch/run.py: check_parity)."""
+    tensorwise scaling with cp (launch/run.py: check_parity).
+
+    The mixture of experts starts from seeded weights only (there is no Mixtral import
+    yet). ep borrows from dp, so it needs a mesh with dp >= 2: not the pipeline meshes
+    other than pp=2,dp=2, nor the cp meshes other than dp=2,cp=2; and the engine refuses
+    it with an integer reshard (parallel/expert.py: check_expert_parallel)."""
     if "tp" not in row.get("mesh", "tp") and (row.get("sequence_parallel") or row.get("loss_parallel")):
         return False
     more_ranks = row.get("reshard_after_forward") == "2" and row.get("mesh", "dp") != "dp"
@@ -123,11 +133,19 @@ def allowed(row: dict) -> bool:
         return False  # a float8 all-gather from a post-forward shard (parallel/float8.py: check_settings)
     if row.get("float8") == "tensorwise" and row.get("context_parallel"):
         return False  # scales per cp chunk, which --parity cannot reproduce (launch/run.py: check_parity)
+    experts = row.get("experts", "dense")
+    if experts != "dense" and row.get("weights", "seed") != "seed":
+        return False
+    if experts == "moe-ep" and (row.get("reshard_after_forward") == "2"
+                                or (row.get("context_parallel") and row.get("mesh", "dp") != "dp")):
+        return False
     # A split of its own needs a pipeline: a row that names no schedule yet is held to what
     # every schedule needs.
     pipeline = row.get("pipeline", "off" if row.get("pp_split", "even") == "even" else "any")
     if pipeline == "off":
         return row.get("pp_split", "even") == "even"
+    if experts == "moe-ep" and (row.get("context_parallel") or row.get("mesh", "dp") != "dp"):
+        return False  # pp=2,hsdp=2, pp=2,tp=2 and pp=2,cp=2 have no dp to borrow from
     if row.get("mesh") == "hsdp-dp-tp" or row.get("reshard_after_forward") == "2":
         return False
     if row.get("context_parallel") and row.get("mesh", "dp") != "dp":
@@ -179,8 +197,15 @@ def generate(candidates: int = 40, order: int = 0) -> list[dict]:
 
 def mesh_of(row: dict) -> str:
     if row["pipeline"] != "off":
-        return (PIPELINE_CP_MESHES if row["context_parallel"] else PIPELINE_MESHES)[row["mesh"]]
-    return (CP_MESHES if row["context_parallel"] else MESHES)[row["mesh"]][row["reshard_after_forward"] == "2"]
+        mesh = (PIPELINE_CP_MESHES if row["context_parallel"] else PIPELINE_MESHES)[row["mesh"]]
+    else:
+        mesh = (CP_MESHES if row["context_parallel"] else MESHES)[row["mesh"]][row["reshard_after_forward"] == "2"]
+    return re.sub(r"\b(dp=\d+)", r"\1,ep=2", mesh) if row["experts"] == "moe-ep" else mesh
+
+
+def _ranks(row: dict) -> int:
+    from parallel.mesh import parse_mesh
+    return parse_mesh(mesh_of(row)).world_size
 
 
 def stages_per_rank(row: dict) -> int:
@@ -217,6 +242,7 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
     """The row as `--set` values for `launch/run.py --parity`; a row with imported weights
     reads them from its folder under `hf_root` (hf_folder)."""
     lower = {True: "true", False: "false"}
+    deep = layers_of(row) > DEBUG_LAYERS
     parallel = ("sequence_parallel", "loss_parallel", "activation_checkpoint", "compile",
                 "reshard_after_forward", "param_dtype", "offload", "recompute_cheap")
     pipeline = row["pipeline"]
@@ -232,20 +258,18 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
             f"optim.name={row['optimizer']}", f"parity.layers={layers_of(row)}",
             *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()),
             *((f"checkpoint.hf_import={hf_folder(hf_root, row)}",) if row["weights"] != "seed" else
-              ("model.flavor=debug-deep",) if layers_of(row) > DEBUG_LAYERS else ()))
+              (*MOE, f"model.flavor=debug-moe{'-deep' * deep}") if row["experts"] != "dense" else
+              ("model.flavor=debug-deep",) if deep else ()))
 
 
-# The pair order whose rows cost least to run, of orders 0 to 39: 25 rows, 4 of them
-# compiled (2 of those with tp or cp, which run again on a warm cache), 5 on 8 ranks and
-# 1 on 16 (order 8 gives 23 rows, but 6 compiled, 4 with tp or cp; both took 7 min on 2 cores).
-# Rows above 4 ranks and compiled rows cost the most on 2 cores; `python -m tests.combinations --orders 40` prints each
-# order's rows, compiled rows and ranks in all.
-ROW_ORDER = 37
+# The pair order whose rows cost least to run, of orders 0 to 119 (fewest compiled rows,
+# then fewest ranks in all): 28 rows, 5 of them compiled (4 of those with tp, cp or ep,
+# which run again on a warm cache), 5 on 8 ranks and 2 on 16; 156 ranks in all (order 75
+# gives 27 rows but 6 compiled). Compiled rows cost the most on 2 cores, then rows above
+# 4 ranks; `python -m tests.combinations --orders 120` prints each order's rows, compiled
+# rows and ranks in all.
+ROW_ORDER = 100
 ROWS = generate(order=ROW_ORDER)
-
-
-def _ranks(row: dict) -> int:
-    return math.prod(int(item.split("=")[1]) for item in mesh_of(row).split(","))
 
 
 def value_rows(rows: list[dict]) -> list[int]:

@@ -1,8 +1,8 @@
 """The generated combination matrix (tests/combinations.py), each row one real
 `launch/run.py --parity` run (over gloo on the CPU, 4 ranks; 8 for an integer reshard on
 hsdp or on tp meshes and for hsdp x dp x tp; 16 for an integer reshard on hsdp x dp x
-tp) against the single-device reference: the debug model at 2 blocks (4 or 5 with pipeline
-parallel), 3 steps. Each row is held to the tolerances promised for its dtype
+tp) against the single-device reference: the debug model, dense or a mixture of experts,
+at 2 blocks (4 or 8 with pipeline parallel), 3 steps. Each row is held to the tolerances promised for its dtype
 (tests/test_parity.py's docstring), whatever the command's own verdict. A row whose
 weights come from a Hugging Face folder also holds its reference's step-0 loss to
 transformers' on the same batch.
@@ -12,8 +12,9 @@ The rows of one world size run one after another in one torchrun job
 a row that job did not finish runs alone through the launcher. The compiled rows run in
 jobs of their own, on a compile cache of their own, and then again on the cache that
 first run filled, as a user's second run does. On torch before 2.13,
-the ZBVZeroBubble rows must be refused instead (parallel/pipeline.py: runs_on_backend),
-so there the pairs only they hold are checked on the newer versions alone.
+the ZBVZeroBubble rows (parallel/pipeline.py: runs_on_backend) and the compiled rows with
+ep (parallel/expert.py: compiles_correctly) must be refused instead, so there the pairs
+only they hold are checked on the newer versions alone.
 
 Every row runs on the pinned torch (`make test`). The other versions (`make test-compat`)
 run the rows of VALUE_ROWS, in which every value of every setting appears once or more
@@ -25,10 +26,13 @@ import pytest
 
 from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, SPLITS, STEPS, VALUE_ROWS, ZERO_BUBBLE, _pairs,
                                 all_pairs, allowed, hf_folder, layers_of, mesh_of, overrides, stages_per_rank)
+from parallel.expert import compiles_correctly
 from parallel.mesh import parse_mesh
 from parallel.pipeline import runs_on_backend
 from tests.distributed import launcher, parity_arguments, parity_report, run_together, selected
 from tests.test_parity import assert_within_promised_tolerances
+
+pytestmark = pytest.mark.matrix  # `make test-matrix`, not `make test`
 
 # The reference's step-0 loss against transformers' (fp32, eager attention) on the same
 # batch and weights, as the fp32 parity rule's step-0 loss (rows with imported weights
@@ -41,7 +45,7 @@ def test_every_pair_of_values_appears_in_some_row():
     covered = set().union(*(_pairs(row) for row in ROWS))
     assert set(all_pairs()) <= covered
     assert all(allowed(row) for row in ROWS)
-    assert (len(ROWS), len(all_pairs())) == (25, 1153)  # docs/parallelism.md quotes both
+    assert (len(ROWS), len(all_pairs())) == (28, 1298)  # docs/parallelism.md quotes both
 
 
 def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
@@ -56,7 +60,9 @@ def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
                 + 2  # imported weights (untied or tied) x bf16
                 + 1  # compile x hsdp x dp x tp, 8 ranks
                 + 1  # float8 tensorwise (with float8 all-gathers) x an integer reshard
-                + 1)  # float8 tensorwise x cp, which --parity refuses
+                + 1  # float8 tensorwise x cp, which --parity refuses
+                + 2 * 2  # a mixture of experts (with ep or without) x imported Llama weights (untied or tied)
+                + 1)  # ep x an integer reshard
     assert possible - len(all_pairs()) == left_out
     assert set(PIPELINE_MESHES) == set(MESHES) - {"hsdp-dp-tp"}
 
@@ -82,7 +88,7 @@ def warm_rows(indices) -> list[int]:
     tp or cp (FSDP's and the pipeline's stay outside the compiled blocks)."""
     def collectives_compiled(row: dict) -> bool:
         spec = parse_mesh(mesh_of(row))
-        return spec.tp > 1 or spec.cp > 1
+        return spec.tp > 1 or spec.cp > 1 or spec.ep > 1
     return [i for i in indices if ROWS[i]["compile"] and collectives_compiled(ROWS[i]) and runs_here(ROWS[i])]
 
 
@@ -138,10 +144,10 @@ def on_every_version(indices) -> list:
 @pytest.mark.parametrize("index", on_every_version(range(len(ROWS))))
 def test_combination_row_passes_parity(row_report, index, tmp_path, hf_root):
     row = ROWS[index]
-    if not runs_here(row):  # ZBVZeroBubble over gloo before torch 2.13: refused, with the fix
+    if not runs_here(row):  # refused before torch 2.13, with the fix
         result = launcher("--parity", "--mesh", mesh_of(row), "--set", f"run.dir={tmp_path}",
                           *(arg for value in overrides(row, hf_root) for arg in ("--set", value)))
-        assert result.returncode == 2 and "cannot run over gloo" in result.stderr, result.stderr[-3000:]
+        assert result.returncode == 2 and refusal(row) in result.stderr, result.stderr[-3000:]
         assert "Traceback" not in result.stderr
         return
     report, code = row_report(index)
@@ -149,10 +155,13 @@ def test_combination_row_passes_parity(row_report, index, tmp_path, hf_root):
     assert_within_promised_tolerances(report, STEPS)
     layers = layers_of(row)
     assert report["layers"] == layers
-    # 9 tensors per block (4 attention, 3 MLP, 2 norms) and 3 outside (embedding, norm,
-    # output); a tied output is the embedding, but a pipeline's last stage holds a copy
+    # 9 tensors per block (4 attention, 3 MLP, 2 norms), or 12 with experts (the MLP's 3
+    # become the router's gate, the experts' 2 and the shared expert's 3), and 3 outside
+    # (embedding, norm, output); a tied output is the embedding, but a pipeline's last
+    # stage holds a copy
     one_output = row["weights"] == "hf-tied" and row["pipeline"] == "off"
-    assert len(report["gradient_digests"]) == layers * 9 + 3 - one_output
+    per_block = 9 if row["experts"] == "dense" else 12
+    assert len(report["gradient_digests"]) == layers * per_block + 3 - one_output
     if row["pipeline"] != "off":
         assert report["pipeline"]["schedule"] == row["pipeline"]
         if row["pp_split"] != "even":
@@ -204,8 +213,17 @@ def test_compiled_rows_pass_again_on_the_cache_their_first_run_filled(row_report
     assert len(cache_entries(compile_cache) - filled) < len(filled)
 
 
+def refusal(row: dict) -> str | None:
+    """What the engine says when it refuses the row on this torch, or None where it runs."""
+    if not runs_on_backend(row["pipeline"], "gloo"):
+        return "cannot run over gloo"
+    if row["experts"] == "moe-ep" and row["compile"] and not compiles_correctly():
+        return "Use torch 2.13 or later"
+    return None
+
+
 def runs_here(row: dict) -> bool:
-    return runs_on_backend(row["pipeline"], "gloo")
+    return refusal(row) is None
 
 
 def rows_where(**wanted) -> list[int]:

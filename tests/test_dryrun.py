@@ -209,6 +209,7 @@ def _row_indices():
     return [pytest.param(i, marks=pytest.mark.compat) if i in VALUE_ROWS else i for i in range(len(ROWS))]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("index", _row_indices())
 def test_dry_run_of_every_combination_row(combination_reports, index):
     """Every setting the engine has, with every other (tests/combinations.py), simulates."""
@@ -216,6 +217,9 @@ def test_dry_run_of_every_combination_row(combination_reports, index):
 
     row = ROWS[index]
     result, report = combination_reports[index]
+    if row["experts"] != "dense":  # routing depends on values a simulated step has none of: refused
+        assert result.returncode == 2 and "do not model a mixture of experts" in result.stderr, result.stderr[-3000:]
+        return
     if row["pipeline"] in ZERO_BUBBLE:  # its split backward defeats torch's memory tracker: refused
         assert result.returncode == 2 and "cannot simulate" in result.stderr, result.stderr[-3000:]
         return

@@ -1,15 +1,21 @@
 """The mixture of experts (models/moe.py), one process: the layer against transformers'
 Mixtral block on the same weights, its two ways of computing the experts against each
-other, the sigmoid router's bias, and the shapes it refuses. Its runs on meshes are
-parity rows in tests/test_parity.py (MATRIX, "moe-*")."""
+other, the sigmoid router's bias, the load-balancing loss (against transformers' and
+through its gradient) and the routing totals the loop reads (engine/routing.py), and the
+shapes it refuses. Real gloo runs: a checkpoint resharded between ep degrees, and the
+experts' figures in the step log, metrics.jsonl and TensorBoard over a pipeline. Its
+parity on meshes is the combination matrix's (tests/combinations.py, factor "experts")
+and tests/test_parity.py's "moe-*" rows."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from common.errors import UserError
 from models import build_on_meta
+from engine import routing
 from models.moe import FLAVORS, MoE, MoELlama, grouped_gemm_works
 
 
@@ -65,10 +71,10 @@ def test_materialising_chooses_the_grouped_gemm_where_it_runs():
 def test_the_sigmoid_routers_bias_moves_the_choice_but_not_the_weights():
     layer = expert_layer("debug-moe-sigmoid")
     tokens = torch.randn(32, FLAVORS["debug-moe-sigmoid"].dim)
-    weights, experts = layer.router(tokens)
+    weights, experts, _ = layer.router(tokens)
     torch.testing.assert_close(weights.sum(-1), torch.ones(32))
     layer.router.expert_bias[:2] = 100.0  # the first two experts now win every choice
-    biased_weights, biased = layer.router(tokens)
+    biased_weights, biased, _ = layer.router(tokens)
     assert set(biased.flatten().tolist()) == {0, 1}
     scores = layer.router.gate(tokens).sigmoid().gather(-1, biased)
     torch.testing.assert_close(biased_weights, scores / scores.sum(-1, keepdim=True))
@@ -81,6 +87,80 @@ def test_every_token_reaches_its_top_k_experts_and_none_is_dropped():
     layer.experts.register_forward_hook(lambda module, inputs, out: seen.append(inputs[1].clone()))
     layer(torch.randn(3, 40, args.dim))
     assert int(seen[0].sum()) == 3 * 40 * args.top_k  # dropless: no capacity cuts
+
+
+def test_the_balance_loss_is_transformers_mixtral_loss_over_top_k():
+    """transformers' load_balancing_loss_func on one sequence and one layer is
+    E x sum_e (tokens choosing e / tokens) x P_e, which is k when balanced; ours divides the
+    choices by k as well, so it is 1 when balanced and theirs / k."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    args = FLAVORS["debug-moe-mixtral"]
+    layer = expert_layer("debug-moe-mixtral")
+    tokens = torch.randn(40, args.dim)
+    _, experts, probs = layer.router(tokens)
+    ours = layer.balance_loss(probs.view(1, 40, -1), experts.view(1, 40, -1))
+    theirs = load_balancing_loss_func((layer.router.gate(tokens),), args.n_experts, args.top_k)
+    torch.testing.assert_close(ours * args.top_k, theirs.view(1), rtol=1e-6, atol=0)
+    uniform = torch.full((1, 4, args.n_experts), 1 / args.n_experts)
+    every_expert_once = torch.arange(args.n_experts).view(1, 4, args.top_k)
+    assert layer.balance_loss(uniform, every_expert_once).item() == pytest.approx(1.0)
+    one_expert = torch.zeros(1, 4, args.n_experts)
+    one_expert[..., 0] = 1.0
+    assert layer.balance_loss(one_expert, torch.zeros(1, 4, args.top_k, dtype=torch.long)).item() == \
+        pytest.approx(args.n_experts)
+
+
+def test_the_balance_loss_reaches_the_router_as_if_added_to_the_loss():
+    """With load_balance = w, the gradients of out.sum() equal those of out.sum() + w x the
+    mean per-sequence balance loss computed by hand, the router's included."""
+    layer = expert_layer("debug-moe")
+    x = torch.randn(3, 16, FLAVORS["debug-moe"].dim)
+    layer.load_balance = 0.5
+    layer(x).sum().backward()
+    attached = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    layer.load_balance = 0.0
+    out = layer(x)
+    _, experts, probs = layer.router(x.reshape(-1, x.shape[-1]))
+    by_hand = layer.balance_loss(probs.view(3, 16, -1), experts.view(3, 16, -1)).mean()
+    (out.sum() + 0.5 * by_hand).backward()
+    assert attached["router.gate.weight"].abs().max() > 0
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(attached[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)  # fp32 sums, grads up to ~10
+    layer.zero_grad()
+    layer(x).sum().backward()  # without the loss the router's gradient differs
+    assert not torch.allclose(attached["router.gate.weight"], layer.router.gate.weight.grad)
+
+
+def test_routing_figures_are_the_same_when_checkpointing_runs_the_forward_again():
+    """Activation checkpointing recomputes the forward in backward and adds to the totals a
+    second time; every figure the loop reports is a ratio of totals, so none changes."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = expert_layer("debug-moe")
+    x = torch.randn(2, 16, FLAVORS["debug-moe"].dim, requires_grad=True)
+    figures = []
+    for recompute in (False, True):
+        layer.routing_totals.zero_()
+        out = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        out.sum().backward()
+        figures.append(routing.summary(layer.routing_totals.tolist(), tokens_per_step=32))
+    assert figures[0] == pytest.approx(figures[1])
+    assert sum(figures[0]["tokens_per_expert"]) == 32 * FLAVORS["debug-moe"].top_k
+
+
+def test_the_sigmoid_routers_bias_moves_toward_the_mean_load():
+    layer = expert_layer("debug-moe-sigmoid")
+    layer.bias_rate = 0.01
+    load = torch.tensor([10.0, 2.0, 5.0, 5.0, 5.0, 5.0, 5.0, 3.0])  # mean 5
+    layer.balance(load)
+    assert layer.router.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0, 0.01])
+    softmax = expert_layer("debug-moe")
+    softmax.bias_rate = 0.01
+    softmax.balance(load)
+    assert not softmax.router.expert_bias.any()
 
 
 @pytest.mark.parametrize("change, fragment", [
@@ -135,3 +215,39 @@ def test_a_checkpoint_reshards_between_ep_degrees(tmp_path):
         assert "saved on mesh dp=4,ep=2" in resumed.stdout
         first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         assert first["step"] == 2 and abs(first["loss"] - losses(source)[2]) <= 1e-5, (mesh, first)
+
+
+@pytest.mark.distributed
+def test_expert_figures_reach_the_step_log_metrics_and_tensorboard_from_every_stage(tmp_path):
+    """A real run over gloo at pp=2,dp=2 (each stage holds 2 of the 4 blocks; the first is
+    dense in the sigmoid flavor) with the load-balancing loss and the bias update on: every
+    routed layer of both stages appears in rank 0's metrics.jsonl each step, its tokens per
+    expert summing to the step's tokens x top_k, the step line names the most loaded layer,
+    and TensorBoard holds the load as a histogram per layer."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from common.config import Config
+    from tests.distributed import launcher
+
+    result = launcher("--mesh", "pp=2,dp=2", "--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe-sigmoid",
+                      "--set", "parallel.plan=llama_moe", "--set", "training.micro_batches=2",
+                      "--set", "moe.load_balance=0.01", "--set", "moe.bias_rate=0.01", "--set", "training.steps=3",
+                      "--set", "metrics.tensorboard=true", "--set", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    layers = [f"layers.{i}.feed_forward" for i in (1, 2, 3)]
+    args, training = FLAVORS["debug-moe-sigmoid"], Config().training
+    for record in records:
+        assert list(record["experts"]) == layers
+        for figures in record["experts"].values():
+            assert sum(figures["tokens_per_expert"]) == training.global_batch * training.seq_len * args.top_k
+            assert figures["max_over_mean"] >= 1 and 0 < figures["entropy"] <= math.log(args.n_experts)
+            assert figures["balance_loss"] > 0
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all("experts: load max/mean" in line for line in lines), lines
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    assert {f"experts/{layer}/tokens_per_expert" for layer in layers} <= set(events.Tags()["histograms"])
+    assert [e.step for e in events.Scalars("experts/layers.3.feed_forward/max_over_mean")] == [0, 1, 2]

@@ -1,6 +1,6 @@
 """`launch/run.py --parity` on what the combination matrix (tests/test_combinations.py)
 does not vary: other models (tied embeddings, GPT-2 through its user plan, also with
-context parallel, the mixture of experts beside each dimension), a shard group of one (hsdp x tp), context parallel at 4, a planted
+context parallel, the mixture of experts at ep=4), a shard group of one (hsdp x tp), context parallel at 4, a planted
 bug, and golden trajectories.
 
 Each row is one real launch (torchrun over gloo on the CPU, 4 or 8 ranks) run once per
@@ -25,9 +25,10 @@ import pytest
 from parallel.expert import compiles_correctly
 from tests.distributed import launcher, parity_report, run_together, selected
 
-MOE = ("model.name=llama_moe", "model.flavor=debug-moe", "parallel.plan=llama_moe")
-MOE_SHALLOW = (*MOE, "parity.layers=2")  # 2 of its 4 blocks, where no pipeline needs 4 stages
+MOE_SHALLOW = ("model.name=llama_moe", "model.flavor=debug-moe", "parallel.plan=llama_moe", "parity.layers=2")
 GPT2 = ("model.name=gpt2", "parallel.plan=gpt2", "model.plugin=examples.gpt2_plan")
+PLANTED_MOE_BUG = ("model.plugin=tests.planted_moe_bug", "model.name=llama_moe_unset_bias",
+                   "model.flavor=debug-moe-sigmoid", "parallel.plan=llama_moe")
 PLANTED_BUG = ("model.plugin=tests.planted_bug_plan", "parallel.plan=llama_sp_missing_norm",
                "parallel.sequence_parallel=true")
 
@@ -44,20 +45,14 @@ MATRIX = {
     # float8), its linears split over tp with sequence parallel.
     "float8-tensorwise-tp-sp": ("dp=2,tp=2", ("parallel.float8=tensorwise", "parallel.param_dtype=bfloat16",
                                               "parallel.sequence_parallel=true")),
-    # The mixture of experts (models/moe.py: 8 experts, top 2, a shared expert): without ep,
-    # the experts whole on every tp rank and sequence parallel gathering into them, in
-    # float8 but for the router; with ep (parallel/expert.py: ep borrowed from dp), beside
-    # tp with sequence and loss parallel, a looped pipeline with op-level AC and the
-    # cheap recompute, cp, hsdp with offload, and compiled at ep=4.
-    "moe-tp-sp-float8": ("dp=2,tp=2", (*MOE_SHALLOW, "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
-                                       "parallel.float8=rowwise")),
-    "moe-ep-tp-sp": ("dp=2,ep=2,tp=2", (*MOE_SHALLOW, "parallel.sequence_parallel=true", "parallel.loss_parallel=true")),
-    "moe-ep-pp-op": ("pp=2,dp=2,ep=2", (*MOE, "training.micro_batches=2", "parallel.pp_schedule=Interleaved1F1B",
-                                        "parallel.pp_stages_per_rank=2", "parallel.activation_checkpoint=op",
-                                        "parallel.recompute_cheap=true")),
-    "moe-ep-cp": ("dp=2,ep=2,cp=2", (*MOE_SHALLOW, "parallel.activation_checkpoint=full", "parallel.param_dtype=bfloat16")),
-    "moe-ep-hsdp-offload": ("hsdp=2,dp=2,ep=2", (*MOE_SHALLOW, "parallel.activation_checkpoint=selective",
-                                                 "parallel.offload=true")),
+    # The mixture of experts (models/moe.py) at ep=4, compiled, and with the sigmoid router
+    # balanced both ways (the load-balancing loss through a looped pipeline's 4
+    # micro-batches, the bias moved by the load over all data ranks: engine/routing.py):
+    # the combination matrix runs it at ep=2 beside every other setting, unbalanced.
+    "moe-balanced-pp": ("pp=2,dp=2,ep=2", ("model.name=llama_moe", "model.flavor=debug-moe-sigmoid",
+                                           "parallel.plan=llama_moe", "parallel.pp_schedule=Interleaved1F1B",
+                                           "parallel.pp_stages_per_rank=2", "training.micro_batches=4",
+                                           "moe.load_balance=0.01", "moe.bias_rate=0.01")),
     "moe-ep4-compiled": ("dp=4,ep=4", (*MOE_SHALLOW, "parallel.compile=true", "parallel.activation_checkpoint=selective",
                                        "parallel.param_dtype=bfloat16")),
 }
@@ -128,6 +123,19 @@ def test_planted_bug_fails_and_the_localizer_names_the_module(reports):
     assert first["what"] == "parameter gradient"
     # Every forward output and input gradient agreed; only the norms' weight gradients differ.
     assert {f["module"].split(".", 2)[-1] for f in report["localizer"]["differing"]} == {"attention_norm"}
+
+
+@pytest.mark.distributed
+def test_planted_router_bug_is_localized(reports):
+    """A mixture of experts whose sigmoid routers' bias materialising leaves unset
+    (tests/planted_moe_bug.py; models/moe.py had this bug until reset_buffers zeroed it):
+    each copy of the model routes differently. Under ep the localizer names a router's
+    output, before the experts it feeds."""
+    report, code = reports("dp=2,ep=2", *PLANTED_MOE_BUG)
+    assert (code, report["verdict"]) == (1, "FAIL")
+    first = report["localizer"]["first"]
+    assert fnmatch.fnmatch(first["module"], "layers.*.feed_forward.router"), first
+    assert first["what"] == "output"
 
 
 @pytest.mark.distributed

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -44,7 +46,18 @@ def step_record(step: int, result, seconds: float, shape: RunShape,
         record["mfu"] = flops_per_rank / shape.peak_flops
     if result.val_loss is not None:
         record.update(val_loss=result.val_loss, val_ppl=perplexity(result.val_loss), eval_s=result.eval_s)
+    if result.routed:
+        record["experts"] = result.routed
     return record
+
+
+def _experts_text(experts: dict) -> str:
+    """The most unbalanced layer's load (max over mean tokens per expert), and the mean
+    router entropy and load-balancing loss over the layers."""
+    worst = max(experts, key=lambda layer: experts[layer]["max_over_mean"])
+    mean = {key: sum(e[key] for e in experts.values()) / len(experts) for key in ("entropy", "balance_loss")}
+    return (f" | experts: load max/mean {experts[worst]['max_over_mean']:.2f} ({worst}), entropy "
+            f"{mean['entropy']:.3f}, balance loss {mean['balance_loss']:.3f}")
 
 
 def perplexity(loss: float) -> float:
@@ -103,11 +116,19 @@ class StepLog:
             self.jsonl.flush()
         if self.writer:
             for key, value in record.items():
-                if key != "step":
+                if key not in ("step", "experts"):
                     self.writer.add_scalar(key, value, step)
+            for layer, figures in record.get("experts", {}).items():
+                for key in ("max_over_mean", "entropy", "balance_loss"):
+                    self.writer.add_scalar(f"experts/{layer}/{key}", figures[key], step)
+                # The load as a histogram over the experts: a balanced layer is one narrow bar.
+                self.writer.add_histogram(f"experts/{layer}/tokens_per_expert",
+                                          torch.tensor(figures["tokens_per_expert"]), step)
         if step % self.every == 0 or step == self.total_steps - 1 or result.val_loss is not None:
             width = len(str(self.total_steps))
             notes = " | SKIPPED (non-finite loss)" if result.skipped else ""
+            if "experts" in record:
+                notes += _experts_text(record["experts"])
             if result.val_loss is not None:
                 notes += (f" | val loss {result.val_loss:.4f} ppl {record['val_ppl']:,.2f} "
                             f"({result.eval_s:.1f}s)")

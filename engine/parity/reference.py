@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from engine.grad_norm import clip_grad_norm
+from engine import routing
 from engine.train import ONE_DEVICE, build_optimizer, evaluate, forward_backward
 
 
@@ -52,6 +53,9 @@ class Reference:
         """One optimizer step; returns (loss, gradient norm before clipping, learning rate)."""
         lr = self.scheduler.get_last_lr()[0]
         loss = self.forward_backward(inputs, targets)
+        # The routers' bias moves as the mesh's does, by the global load (the compute copy
+        # routes: its buffers, not the masters', are the ones forward reads).
+        routing.finish_step(self.compute, None, None, True, inputs.numel())
         if inspect_grads is not None:
             inspect_grads(self.model)
         norm = clip_grad_norm(self.model.parameters(), self.max_norm).item()

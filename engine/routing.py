@@ -1,0 +1,112 @@
+"""What the loop does for a mixture of experts' routers, once per optimizer step: sums each
+routed layer's totals (tokens per expert, router entropy, the load-balancing loss) over
+the data ranks, moves the sigmoid routers' bias by the global load, and brings every
+stage's layers to every rank for the step log and TensorBoard.
+
+A routed layer is any module with a `routing_totals` buffer (models/moe.py: MoE): per
+expert the tokens routed to it, then the summed router entropy, the summed load-balancing
+loss of its sequences, the tokens and the sequences it saw. Every figure read from them is
+a ratio of two totals, so a forward that activation checkpointing runs again in backward,
+which adds to the totals twice, changes none of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.errors import UserError
+
+TOTALS = "routing_totals"
+
+
+def routed_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of each routed layer, with the wrappers' names (compile, activation
+    checkpointing) taken out of the path."""
+    return [(_clean(name), module) for name, module in model.named_modules()
+            if isinstance(getattr(module, TOTALS, None), torch.Tensor)]
+
+
+def _clean(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in ("_orig_mod", "_checkpoint_wrapped_module"))
+
+
+def check(model: nn.Module, moe_cfg, cp: int) -> None:
+    """Refuse balancing settings the model or mesh cannot take, before any process group."""
+    layers = routed_layers(model)
+    if not layers and (moe_cfg.load_balance or moe_cfg.bias_rate):
+        raise UserError(f"moe.load_balance={moe_cfg.load_balance} and moe.bias_rate={moe_cfg.bias_rate} act on "
+                        f"a mixture of experts' routers, and this model has none. Use a model with experts "
+                        f"(model.name=llama_moe) or leave both at 0.")
+    if moe_cfg.bias_rate and not any(module.biased for _, module in layers):
+        raise UserError(f"moe.bias_rate={moe_cfg.bias_rate} moves a sigmoid router's bias, and this model's "
+                        f"routers are softmax ones, which have none. Use moe.load_balance to balance them, "
+                        f"or a flavor with the sigmoid router (model.flavor=debug-moe-sigmoid).")
+    if moe_cfg.load_balance and cp > 1:
+        raise UserError(f"moe.load_balance={moe_cfg.load_balance} with cp={cp}: the load-balancing loss is "
+                        f"taken per sequence, and each cp rank holds only chunks of each sequence, so it would "
+                        f"differ from one device's. Leave cp out of --mesh, or set moe.load_balance=0 "
+                        f"(a sigmoid router can balance with moe.bias_rate instead).")
+
+
+def configure(model: nn.Module, moe_cfg) -> None:
+    """Give the routed layers the run's load-balancing weight and bias rate (config `moe`)."""
+    for _, module in routed_layers(model):
+        module.load_balance = moe_cfg.load_balance
+        module.bias_rate = moe_cfg.bias_rate
+
+
+def begin_step(model: nn.Module, slices: int) -> None:
+    """Before a step's forwards: the totals start from zero (an evaluation's forwards added
+    to them too), and each forward's load-balancing loss counts 1/slices, as the loss of
+    each of the `slices` equal parts (micro-batches) the step's rows are split into."""
+    for _, module in routed_layers(model):
+        getattr(module, TOTALS).zero_()
+        module.slices = slices
+
+
+def finish_step(model: nn.Module, data_group, stages, everywhere: bool, tokens_per_step: int) -> dict | None:
+    """After a step's backward: this step's totals of each routed layer summed over the data
+    ranks (hsdp x dp x cp), each router's bias moved by them, and, with `stages` (the
+    pipeline group), the layers of every stage gathered; returns each layer's figures
+    (`summary`). `everywhere`: whether the whole model has routed layers (a pipeline stage
+    may hold none, and still takes part)."""
+    if not everywhere:
+        return None
+    layers = routed_layers(model)
+    totals = {}
+    if layers:
+        summed = torch.stack([getattr(module, TOTALS) for _, module in layers])
+        if data_group is not None:
+            dist.all_reduce(summed, group=data_group)
+        for (name, module), row in zip(layers, summed):
+            module.balance(row[:-4])
+            totals[name] = summary(row.tolist(), tokens_per_step)
+    if stages is not None:
+        parts = [None] * dist.get_world_size(stages)
+        dist.all_gather_object(parts, totals, group=stages)
+        totals = {name: row for part in parts for name, row in part.items()}
+    return dict(sorted(totals.items(), key=lambda item: _layer_order(item[0])))
+
+
+def tokens_in_step(inputs, data_group) -> int:
+    """The step's tokens over all data ranks, from this rank's share (every stage of a
+    pipeline holds the same rows)."""
+    return inputs.numel() * (dist.get_world_size(data_group) if data_group is not None else 1)
+
+
+def _layer_order(name: str):
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
+def summary(totals: list[float], tokens_per_step: int) -> dict:
+    """One layer's figures from its totals: tokens per expert in the step, the most loaded
+    expert over the mean, the mean router entropy per token (nats) and the mean
+    load-balancing loss per sequence (1 when balanced: models/moe.py)."""
+    load, (entropy, balance, tokens, sequences) = totals[:-4], totals[-4:]
+    per_step = [count / tokens * tokens_per_step for count in load] if tokens else load
+    mean = sum(load) / len(load)
+    return {"tokens_per_expert": per_step, "max_over_mean": max(load) / mean if mean else 0.0,
+            "entropy": entropy / tokens if tokens else 0.0,
+            "balance_loss": balance / sequences if sequences else 0.0}
