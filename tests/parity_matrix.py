@@ -27,10 +27,7 @@ PIPELINE_TABLE = {
                                 "training.micro_batches=2")),
 }
 
-DEFAULTS = {"sequence_parallel": False, "loss_parallel": False, "activation_checkpoint": "none",
-            "compile": False, "reshard_after_forward": "true", "param_dtype": "float32", "offload": False,
-            "micro_batches": 1, "prefetch_forward": 0, "prefetch_backward": 0, "optimizer": "adamw",
-            "pipeline": "off", "evaluation": False}
+DEFAULTS = {name: values[0] for name, values in FACTORS.items()}  # each factor lists its default first
 HEADER = ("| row | mesh | settings (besides the defaults) | verdict | step-0 loss diff | max grad diff | "
           "grad-norm rel diff | max later-loss diff | seconds |\n|---|---|---|---|---|---|---|---|---|")
 
