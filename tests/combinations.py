@@ -274,13 +274,15 @@ ROWS = generate(order=ROW_ORDER)
 
 def value_rows(rows: list[dict]) -> list[int]:
     """A few of `rows` in which every value of every setting appears at least once (greedy:
-    the row adding the most values not yet seen, then the one with fewer ranks). The other
-    torch versions run these (`make test-compat`); the pinned one runs every row."""
+    the row adding the most values not yet seen per unit of cost, its ranks plus 16 if it
+    compiles, since on 2 cores a compiled row costs about what a 16-rank one does). The
+    other torch versions run these (`make test-compat`); the pinned one runs every row."""
+    def cost(i: int) -> int:
+        return _ranks(rows[i]) + 16 * rows[i]["compile"]
     needed = {(name, row[name]) for row in rows for name in FACTORS}
     chosen: list[int] = []
     while needed:
-        best = max(range(len(rows)), key=lambda i: (len({(n, rows[i][n]) for n in FACTORS} & needed),
-                                                   -_ranks(rows[i]), -i))
+        best = max(range(len(rows)), key=lambda i: (len({(n, rows[i][n]) for n in FACTORS} & needed) / cost(i), -i))
         chosen.append(best)
         needed -= {(name, rows[best][name]) for name in FACTORS}
     return sorted(chosen)

@@ -16,9 +16,10 @@ the ZBVZeroBubble rows (parallel/pipeline.py: runs_on_backend) and the compiled 
 ep (parallel/expert.py: compiles_correctly) must be refused instead, so there the pairs
 only they hold are checked on the newer versions alone.
 
-Every row runs on the pinned torch (`make test`). The other versions (`make test-compat`)
+Every row runs on the pinned torch (`make test-matrix`). The other versions (`make test-compat`)
 run the rows of VALUE_ROWS, in which every value of every setting appears once or more
-(5 rows): each feature meets each version, and the pairs are proven on the pinned one."""
+(8 rows, one of them compiled): each feature meets each version, and the pairs are
+proven on the pinned one."""
 
 from itertools import combinations
 
