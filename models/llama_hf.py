@@ -24,6 +24,7 @@ from common.errors import UserError
 from models.llama import LlamaArgs
 
 ARCHITECTURE = "LlamaForCausalLM"
+MODEL_TYPE = "llama"
 
 _BLOCK = {
     "attention.wq": "self_attn.q_proj",
@@ -61,6 +62,17 @@ def hf_name(fqn: str) -> str:
     raise KeyError(fqn)
 
 
+def hf_tensors(fqn: str, tensor):
+    """Our parameter -> {its Hugging Face key: tensor}; one each here (models/mixtral_hf.py
+    splits its experts into several)."""
+    return {hf_name(fqn): tensor}
+
+
+def our_tensor(fqn: str, shape: list[int], read):
+    """Our whole parameter, read by its Hugging Face key."""
+    return read(hf_name(fqn))
+
+
 def our_name(hf: str) -> str:
     """The inverse of hf_name. KeyError for a key with no Llama parameter."""
     if hf in _TOP_BACK:
@@ -71,14 +83,14 @@ def our_name(hf: str) -> str:
     raise KeyError(hf)
 
 
-def _refuse(source: str, key: str, value, supported: str) -> UserError:
+def refuse(source: str, key: str, value, supported: str) -> UserError:
     return UserError(f"{source}: {key}={value!r} is not supported; {supported}.")
 
 
-def _get(config: dict, key: str, kind, source: str, default=None):
+def get(config: dict, key: str, kind, source: str, default=None):
     value = config.get(key, default)
     if value is None:
-        raise UserError(f"{source} has no {key!r}, which a Llama config needs.")
+        raise UserError(f"{source} has no {key!r}, which the model needs.")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -95,24 +107,24 @@ def _rope(config: dict, source: str) -> tuple[float, tuple[float, float, float, 
         params, key = config.get("rope_scaling"), "rope_scaling"
     params = {} if params is None else params
     if not isinstance(params, dict):
-        raise _refuse(source, key, params, "give an object with rope_type 'default' or 'llama3'")
+        raise refuse(source, key, params, "give an object with rope_type 'default' or 'llama3'")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    theta = _get({"rope_theta": theta}, "rope_theta", float, source)
+    theta = get({"rope_theta": theta}, "rope_theta", float, source)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise _refuse(source, f"{key}.rope_type", rope_type,
-                      "this Llama supports rope_type 'default' and 'llama3' (Llama 3.1/3.2)")
+        raise refuse(source, f"{key}.rope_type", rope_type,
+                     "this Llama supports rope_type 'default' and 'llama3' (Llama 3.1/3.2)")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse(source, f"{key}.partial_rotary_factor", params["partial_rotary_factor"],
-                      "only 1.0 (rope on the whole head) is supported")
+        raise refuse(source, f"{key}.partial_rotary_factor", params["partial_rotary_factor"],
+                     "only 1.0 (rope on the whole head) is supported")
     original = params.get("original_max_position_embeddings", config.get("max_position_embeddings"))
-    scaling = (_get(params, "factor", float, f"{source} ({key})"),
-               _get(params, "low_freq_factor", float, f"{source} ({key})"),
-               _get(params, "high_freq_factor", float, f"{source} ({key})"),
-               _get({"original_max_position_embeddings": original}, "original_max_position_embeddings",
-                    int, f"{source} ({key})"))
+    scaling = (get(params, "factor", float, f"{source} ({key})"),
+               get(params, "low_freq_factor", float, f"{source} ({key})"),
+               get(params, "high_freq_factor", float, f"{source} ({key})"),
+               get({"original_max_position_embeddings": original}, "original_max_position_embeddings",
+                   int, f"{source} ({key})"))
     return theta, scaling
 
 
@@ -123,25 +135,26 @@ def args_from_hf_config(config: dict, source: str) -> LlamaArgs:
         raise UserError(f"{source} holds a {type(config).__name__}, not a JSON object.")
     model_type = config.get("model_type")
     if model_type != "llama":
-        raise _refuse(source, "model_type", model_type, "checkpoint.hf_import reads Llama checkpoints "
-                      "(model_type 'llama', architectures ['LlamaForCausalLM'])")
+        raise refuse(source, "model_type", model_type, "checkpoint.hf_import reads Llama checkpoints "
+                     "(model_type 'llama', architectures ['LlamaForCausalLM']) and Mixtral ones "
+                     "(model_type 'mixtral', with model.name=llama_moe)")
     architectures = config.get("architectures")
     if architectures is not None and ARCHITECTURE not in architectures:
-        raise _refuse(source, "architectures", architectures, f"only {ARCHITECTURE} is read")
+        raise refuse(source, "architectures", architectures, f"only {ARCHITECTURE} is read")
     for key, supported in (("attention_bias", False), ("mlp_bias", False)):
         if config.get(key, False) is not supported:
-            raise _refuse(source, key, config.get(key), "this Llama has no biases (false)")
+            raise refuse(source, key, config.get(key), "this Llama has no biases (false)")
     if config.get("hidden_act", "silu") != "silu":
-        raise _refuse(source, "hidden_act", config.get("hidden_act"), "the feed-forward is SwiGLU ('silu')")
-    dim = _get(config, "hidden_size", int, source)
-    n_heads = _get(config, "num_attention_heads", int, source)
+        raise refuse(source, "hidden_act", config.get("hidden_act"), "the feed-forward is SwiGLU ('silu')")
+    dim = get(config, "hidden_size", int, source)
+    n_heads = get(config, "num_attention_heads", int, source)
     if dim % n_heads:
         raise UserError(f"{source}: hidden_size={dim} does not divide into num_attention_heads={n_heads}.")
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim != dim // n_heads:
-        raise _refuse(source, "head_dim", head_dim, f"this Llama needs head_dim = hidden_size / "
-                      f"num_attention_heads = {dim // n_heads}")
-    n_kv_heads = _get(config, "num_key_value_heads", int, source, default=n_heads)
+        raise refuse(source, "head_dim", head_dim, f"this Llama needs head_dim = hidden_size / "
+                     f"num_attention_heads = {dim // n_heads}")
+    n_kv_heads = get(config, "num_key_value_heads", int, source, default=n_heads)
     if n_heads % n_kv_heads:
         raise UserError(f"{source}: num_attention_heads={n_heads} is not a multiple of "
                         f"num_key_value_heads={n_kv_heads}.")
@@ -150,11 +163,11 @@ def args_from_hf_config(config: dict, source: str) -> LlamaArgs:
     if not isinstance(tie, bool):
         raise UserError(f"{source}: tie_word_embeddings={tie!r} must be true or false.")
     return LlamaArgs(
-        dim=dim, n_layers=_get(config, "num_hidden_layers", int, source), n_heads=n_heads,
-        n_kv_heads=n_kv_heads, ffn_hidden=_get(config, "intermediate_size", int, source),
-        vocab_size=_get(config, "vocab_size", int, source),
-        max_seq_len=_get(config, "max_position_embeddings", int, source, default=2048),
-        rope_theta=theta, norm_eps=_get(config, "rms_norm_eps", float, source, default=1e-6),
+        dim=dim, n_layers=get(config, "num_hidden_layers", int, source), n_heads=n_heads,
+        n_kv_heads=n_kv_heads, ffn_hidden=get(config, "intermediate_size", int, source),
+        vocab_size=get(config, "vocab_size", int, source),
+        max_seq_len=get(config, "max_position_embeddings", int, source, default=2048),
+        rope_theta=theta, norm_eps=get(config, "rms_norm_eps", float, source, default=1e-6),
         tie_embeddings=tie, rope_scaling=scaling)
 
 
@@ -164,7 +177,7 @@ def hf_config_from_args(args: LlamaArgs, carried: dict | None = None, dtype: str
     values for CARRIED_KEYS (an imported config)."""
     config = {
         "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "model_type": MODEL_TYPE,
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,

@@ -29,7 +29,7 @@ def parameter_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2**63)
 
 
-def _keep_my_slice(param: torch.Tensor, full: torch.Tensor) -> None:
+def keep_my_slice(param: torch.Tensor, full: torch.Tensor) -> None:
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank slices its own part, nothing is sent.
@@ -111,7 +111,7 @@ def _reset_each_module(model: nn.Module, seed: int) -> None:
             torch.manual_seed(parameter_seed(seed, path))
             stand_in.reset_parameters()
         for name, param in own:
-            _keep_my_slice(param, stand_in._parameters[name].detach())
+            keep_my_slice(param, stand_in._parameters[name].detach())
             done.add(id(param))
 
 
@@ -134,7 +134,7 @@ def materialise(model: torch.nn.Module, device: torch.device | str, seed: int,
     elif callable(getattr(model, "init_value", None)):
         for fqn, param in model.named_parameters():
             generator = torch.Generator().manual_seed(parameter_seed(seed, fqn))
-            _keep_my_slice(param, model.init_value(fqn, tuple(param.shape), generator))
+            keep_my_slice(param, model.init_value(fqn, tuple(param.shape), generator))
     else:
         _reset_each_module(model, seed)
     if callable(getattr(model, "reset_buffers", None)):

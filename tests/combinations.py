@@ -39,8 +39,9 @@ FACTORS: dict[str, tuple] = {
     "optimizer": ("adamw", "sgd"),
     "evaluation": (False, True),
     # The starting weights: drawn from the seed, or imported from a Hugging Face Llama
-    # folder (checkpoint.hf_import) with its own lm_head or tied to the embedding, whose
-    # step-0 loss is also checked against transformers' (tests/test_combinations.py).
+    # folder (checkpoint.hf_import; a Mixtral one for the mixture of experts) with its own
+    # lm_head or tied to the embedding, whose step-0 loss is also checked against
+    # transformers' (tests/test_combinations.py).
     "weights": ("seed", "hf", "hf-tied"),
     # Blocks per pipeline stage: the even split, or parallel.pp_split with the first stage
     # heavier (UNEVEN_SPLITS), or with end stages that hold only the embedding or the
@@ -56,8 +57,9 @@ FACTORS: dict[str, tuple] = {
     # beside tp.
     "float8": ("none", "tensorwise", "rowwise"),
     # The model: the dense debug Llama, or the mixture of experts (model.name=llama_moe:
-    # 8 experts, top 2, a shared expert) with its experts whole on every rank, or split over
-    # ep=2 ranks borrowed from dp (parallel/expert.py).
+    # 8 experts, top 2, a shared expert, or Mixtral's shapes without it where the weights
+    # are imported) with its experts whole on every rank, or split over ep=2 ranks borrowed
+    # from dp (parallel/expert.py).
     "experts": ("dense", "moe", "moe-ep"),
 }
 
@@ -118,8 +120,7 @@ def allowed(row: dict) -> bool:
     with an integer reshard (parallel/float8.py: check_settings); what --parity refuses:
     tensorwise scaling with cp (launch/run.py: check_parity).
 
-    The mixture of experts starts from seeded weights only (there is no Mixtral import
-    yet). ep borrows from dp, so it needs a mesh with dp >= 2: not the pipeline meshes
+    ep borrows from dp, so it needs a mesh with dp >= 2: not the pipeline meshes
     other than pp=2,dp=2, nor the cp meshes other than dp=2,cp=2; and the engine refuses
     it with an integer reshard (parallel/expert.py: check_expert_parallel)."""
     if "tp" not in row.get("mesh", "tp") and (row.get("sequence_parallel") or row.get("loss_parallel")):
@@ -134,8 +135,6 @@ def allowed(row: dict) -> bool:
     if row.get("float8") == "tensorwise" and row.get("context_parallel"):
         return False  # scales per cp chunk, which --parity cannot reproduce (launch/run.py: check_parity)
     experts = row.get("experts", "dense")
-    if experts != "dense" and row.get("weights", "seed") != "seed":
-        return False
     if experts == "moe-ep" and (row.get("reshard_after_forward") == "2"
                                 or (row.get("context_parallel") and row.get("mesh", "dp") != "dp")):
         return False
@@ -220,21 +219,29 @@ def layers_of(row: dict) -> int:
 
 def hf_folder(root, row: dict):
     """The Hugging Face folder a row with imported weights starts from, under `root`:
-    a LlamaForCausalLM of the debug flavor's shapes, with its own lm_head or tied, and
-    Llama 3.1's rope scaling, at the row's depth, written by transformers once."""
+    a LlamaForCausalLM of the debug flavor's shapes (a MixtralForCausalLM of
+    debug-moe-mixtral's for the experts' rows), with its own lm_head or tied, and Llama
+    3.1's rope scaling, at the row's depth, written by transformers once."""
     from pathlib import Path
-    folder = Path(root) / f"{row['weights']}-{layers_of(row)}"
+    mixtral = row["experts"] != "dense"
+    folder = Path(root) / f"{row['weights']}-{'mixtral' if mixtral else 'llama'}-{layers_of(row)}"
     if not (folder / "config.json").is_file():
         import torch
         import transformers
         torch.manual_seed(layers_of(row))
-        config = transformers.LlamaConfig(
+        shapes = dict(
             hidden_size=256, num_hidden_layers=layers_of(row), num_attention_heads=8, num_key_value_heads=4,
-            intermediate_size=768, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+            vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
             rope_theta=10000.0, tie_word_embeddings=row["weights"] == "hf-tied",
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 64})
-        transformers.LlamaForCausalLM(config).float().save_pretrained(folder)
+        if mixtral:
+            config = transformers.MixtralConfig(**shapes, intermediate_size=128, num_local_experts=8,
+                                                num_experts_per_tok=2)
+            transformers.MixtralForCausalLM(config).float().save_pretrained(folder)
+        else:
+            config = transformers.LlamaConfig(**shapes, intermediate_size=768)
+            transformers.LlamaForCausalLM(config).float().save_pretrained(folder)
     return folder
 
 
@@ -257,18 +264,19 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
             f"prefetch.forward={row['prefetch_forward']}", f"prefetch.backward={row['prefetch_backward']}",
             f"optim.name={row['optimizer']}", f"parity.layers={layers_of(row)}",
             *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()),
+            *(MOE if row["experts"] != "dense" else ()),
             *((f"checkpoint.hf_import={hf_folder(hf_root, row)}",) if row["weights"] != "seed" else
-              (*MOE, f"model.flavor=debug-moe{'-deep' * deep}") if row["experts"] != "dense" else
+              (f"model.flavor=debug-moe{'-deep' * deep}",) if row["experts"] != "dense" else
               ("model.flavor=debug-deep",) if deep else ()))
 
 
 # The pair order whose rows cost least to run, of orders 0 to 119 (fewest compiled rows,
-# then fewest ranks in all): 28 rows, 5 of them compiled (4 of those with tp, cp or ep,
-# which run again on a warm cache), 5 on 8 ranks and 2 on 16; 156 ranks in all (order 75
-# gives 27 rows but 6 compiled). Compiled rows cost the most on 2 cores, then rows above
+# then fewest ranks in all): 28 rows, 5 of them compiled (3 of those with tp, cp or ep,
+# which run again on a warm cache), 5 on 8 ranks and 1 on 16; 144 ranks in all (order 70
+# gives 27 rows but 148 ranks). Compiled rows cost the most on 2 cores, then rows above
 # 4 ranks; `python -m tests.combinations --orders 120` prints each order's rows, compiled
 # rows and ranks in all.
-ROW_ORDER = 100
+ROW_ORDER = 51
 ROWS = generate(order=ROW_ORDER)
 
 

@@ -1,17 +1,20 @@
-"""Hugging Face Llama checkpoints (config.json + safetensors) in and out.
+"""Hugging Face Llama and Mixtral checkpoints (config.json + safetensors) in and out.
 
     checkpoint.hf_import=FOLDER   config.json sets the model's shape (a flavor named
                                   "hf:FOLDER"), its weights start the run
     checkpoint.hf_export=FOLDER   the final weights and config.json, in the layout
-                                  LlamaForCausalLM.from_pretrained reads
+                                  LlamaForCausalLM (MixtralForCausalLM for a
+                                  mixture of experts) .from_pretrained reads
 
 The launcher checks an import before any process group exists: config.json, then the
 safetensors headers (names, shapes, dtypes; no tensor data) against the model. Loading
 goes through torch.distributed.checkpoint's HuggingFaceStorageReader into the sharded
 parameters, so each rank reads only the slices it keeps (safetensors get_slice on a
-memory map), never a whole file. The export gathers the full weights on rank 0 (like
+memory map), never a whole file; Mixtral's experts, one tensor per expert in the files
+and one 3-D parameter here, are read whole from the memory map and each rank keeps its
+slice, as materialising does. The export gathers the full weights on rank 0 (like
 checkpoint.export), which writes them into FOLDER.partial and renames it into place.
-Name and config mapping: models/llama_hf.py.
+Name and config mapping: models/llama_hf.py and models/mixtral_hf.py.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import torch.distributed as dist
 
 from engine.checkpoint.store import check_keys, state_dict_shapes
 from common.errors import UserError
+from models import llama_hf, mixtral_hf
 from models.llama import Llama
-from models.llama_hf import args_from_hf_config, hf_config_from_args, hf_name, our_name
+from models.materialise import keep_my_slice
+from models.moe import MoEArgs, MoELlama
 from parallel.pipeline import whole_model
 
 CONFIG = "config.json"
@@ -58,22 +63,33 @@ def read_hf_config(folder: str | Path) -> dict:
         raise UserError(f"{str(path)!r} cannot be read as JSON ({err}).") from None
 
 
-def _require_llama(model_name: str, key: str) -> None:
+def hf_format(args):
+    """The name and config mapping for a model's args: Mixtral's for a mixture of experts."""
+    return mixtral_hf if isinstance(args, MoEArgs) else llama_hf
+
+
+def _require_model_for(model_name: str, model_type) -> None:
     from models import MODELS, model_args
     if model_name not in MODELS:
         model_args(model_name, "")  # the registry's own "unknown model" error
     model_class = MODELS[model_name][0]
-    if not (isinstance(model_class, type) and issubclass(model_class, Llama)):
-        raise UserError(f"{key} reads and writes Llama checkpoints, but model.name={model_name!r} is "
-                        f"a {getattr(model_class, '__name__', model_class)}. Use model.name=llama.")
+    wanted, name = (MoELlama, "llama_moe") if model_type == mixtral_hf.MODEL_TYPE else (Llama, "llama")
+    if not (isinstance(model_class, type) and issubclass(model_class, wanted)) or (
+            wanted is Llama and issubclass(model_class, MoELlama)):
+        raise UserError(f"checkpoint.hf_import reads a {model_type!r} checkpoint into a {wanted.__name__}, but "
+                        f"model.name={model_name!r} is a {getattr(model_class, '__name__', model_class)}. "
+                        f"Use model.name={name}" + (" and parallel.plan=llama_moe." if name == "llama_moe" else "."))
 
 
 def register_hf_flavor(model_name: str, folder: str | Path) -> str:
     """Read folder/config.json and register its shapes as a flavor of `model_name` (a
-    Llama); returns the flavor's name, "hf:FOLDER"."""
+    Llama, or a Llama mixture of experts for Mixtral); returns the flavor's name, "hf:FOLDER"."""
     from models import MODELS
-    _require_llama(model_name, "checkpoint.hf_import")
-    args = args_from_hf_config(read_hf_config(folder), str(Path(folder) / CONFIG))
+    config = read_hf_config(folder)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    _require_model_for(model_name, model_type)
+    source = str(Path(folder) / CONFIG)
+    args = (mixtral_hf if model_type == mixtral_hf.MODEL_TYPE else llama_hf).args_from_hf_config(config, source)
     name = f"{FLAVOR_PREFIX}{folder}"
     MODELS[model_name][1][name] = args
     return name
@@ -137,18 +153,19 @@ def tensor_index(folder: str | Path) -> dict[str, tuple[Path, list[int], str]]:
     return found
 
 
-def _shown(hf: str) -> str:
+def _shown(hf: str, mapping) -> str:
     try:
-        return f"{hf} (ours: {our_name(hf)})"
+        return f"{hf} (ours: {mapping.our_name(hf)})"
     except KeyError:
-        return f"{hf} (no Llama parameter)"
+        return f"{hf} (no {mapping.ARCHITECTURE.removesuffix('ForCausalLM')} parameter)"
 
 
 def expected_hf_shapes(model) -> dict[str, list[int]]:
     """The Hugging Face keys and shapes `model` needs (a tied model has no lm_head)."""
-    tied = model.args.tie_embeddings
-    return {hf_name(key): shape for key, shape in state_dict_shapes(model).items()
-            if not (tied and key == "output.weight")}
+    tied, mapping = model.args.tie_embeddings, hf_format(model.args)
+    return {hf: list(part.shape) for key, shape in state_dict_shapes(model).items()
+            if not (tied and key == "output.weight")
+            for hf, part in mapping.hf_tensors(key, torch.empty(shape, device="meta")).items()}
 
 
 def check_hf_checkpoint(model, folder: str | Path) -> None:
@@ -159,8 +176,10 @@ def check_hf_checkpoint(model, folder: str | Path) -> None:
     if model.args.tie_embeddings and found.get("lm_head.weight", (None, None))[1] == expected.get(
             "model.embed_tokens.weight"):
         found.pop("lm_head.weight")  # some tied checkpoints keep a copy; transformers ignores it too
+    mapping = hf_format(model.args)
     try:
-        check_keys({_shown(k): v[1] for k, v in found.items()}, {_shown(k): v for k, v in expected.items()},
+        check_keys({_shown(k, mapping): v[1] for k, v in found.items()},
+                   {_shown(k, mapping): v for k, v in expected.items()},
                    f"checkpoint.hf_import {str(folder)!r}", f"{type(model).__name__} built from its "
                    f"{CONFIG}")
     except UserError as err:
@@ -179,8 +198,10 @@ def check_hf_export(model, folder: str | Path) -> None:
     """Before any process group: the export can be written without destroying anything
     but an earlier export (the folder is replaced as a whole)."""
     if not isinstance(model, Llama):
-        raise UserError(f"checkpoint.hf_export writes Llama checkpoints, but the model is a "
+        raise UserError(f"checkpoint.hf_export writes Llama and Mixtral checkpoints, but the model is a "
                         f"{type(model).__name__}. Use model.name=llama, or checkpoint.export.")
+    if isinstance(model.args, MoEArgs):
+        mixtral_hf.check_exportable(model.args, "checkpoint.hf_export")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"checkpoint.hf_export {str(folder)!r} is a file. Give a folder.")
@@ -209,10 +230,22 @@ def load_hf(model, folder: str | Path) -> None:
     folder = Path(folder)
     state = _model_state(model)
     args = whole_model(model).args
-    targets = {hf_name(key): value for key, value in state.items()
-               if not (args.tie_embeddings and key == "output.weight")}
-    if any(isinstance(value, DTensor) for value in targets.values()):
+    mapping = hf_format(args)
+    targets, assembled = {}, []  # by Hugging Face key, one tensor each; ours made of several
+    for key, value in state.items():
+        if args.tie_embeddings and key == "output.weight":
+            continue
+        parts = mapping.hf_tensors(key, value)
+        if len(parts) == 1 and next(iter(parts.values())) is value:
+            targets.update(parts)
+        else:
+            assembled.append(key)
+    index = tensor_index(folder)
+    if any(isinstance(value, DTensor) for value in state.values()):
         _load_distributed(targets, folder)
+        with _TensorReader(index) as read, torch.no_grad():
+            for key in assembled:
+                keep_my_slice(state[key], mapping.our_tensor(key, list(state[key].shape), read))
         if args.tie_embeddings and "tok_embeddings.weight" in state and "output.weight" in state:
             # Both ends on this rank (no pp, or a V-shaped schedule's rank 0). A pipeline stage
             # that holds only one end has only that key, and the other end's copy comes from the
@@ -220,7 +253,6 @@ def load_hf(model, folder: str | Path) -> None:
             state["output.weight"] = state["tok_embeddings.weight"]
         set_model_state_dict(model, state)
     else:
-        index = tensor_index(folder)
         by_file: dict[Path, list[str]] = {}
         for key in targets:
             by_file.setdefault(index[key][0], []).append(key)
@@ -229,6 +261,30 @@ def load_hf(model, folder: str | Path) -> None:
                 with safetensors.safe_open(str(path), framework="pt") as handle:
                     for key in keys:
                         targets[key].copy_(handle.get_tensor(key))
+            with _TensorReader(index) as read:
+                for key in assembled:
+                    state[key].copy_(mapping.our_tensor(key, list(state[key].shape), read))
+
+
+class _TensorReader:
+    """read(Hugging Face key) -> the tensor, from whichever file holds it; each file is
+    opened once (a memory map), and closed on leaving the `with`."""
+
+    def __init__(self, index: dict[str, tuple[Path, list[int], str]]):
+        self.index, self.handles = index, {}
+
+    def __enter__(self):
+        return self.read
+
+    def read(self, key: str) -> torch.Tensor:
+        path = self.index[key][0]
+        if path not in self.handles:
+            self.handles[path] = _safetensors().safe_open(str(path), framework="pt").__enter__()
+        return self.handles[path].get_tensor(key)
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
 
 
 def _model_state(model) -> dict:
@@ -274,11 +330,13 @@ def save_hf(model, folder: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_
         redistribute_log.setLevel(level)
     if dist.get_rank() == 0:
         args = whole_model(model).args
-        tensors = {hf_name(key): value.contiguous() for key, value in state.items()
-                   if not (args.tie_embeddings and key == "output.weight")}
+        mapping = hf_format(args)
+        tensors = {hf: part.contiguous() for key, value in state.items()
+                   if not (args.tie_embeddings and key == "output.weight")
+                   for hf, part in mapping.hf_tensors(key, value).items()}
         carried = read_hf_config(carried_from) if carried_from else None
         dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-        write_hf_folder(folder, tensors, hf_config_from_args(args, carried, dtype), max_shard_bytes)
+        write_hf_folder(folder, tensors, mapping.hf_config_from_args(args, carried, dtype), max_shard_bytes)
     dist.barrier()
 
 
