@@ -4,6 +4,10 @@ and initial weights, interleaved in one process group so both see the same machi
 usage: torchrun --nproc_per_node 4 bench/overhead.py MESH [PAIRS, default 160]
    e.g. OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/overhead.py dp=4 160
 
+A mesh with ep (ep = dp, e.g. dp=4,ep=4) times the mixture of experts instead (model
+llama_moe, flavor debug-moe, plan llama_moe) against the hand-written script's expert
+parallel, which dispatches the same way.
+
 After the warm-up, each pair times one step of each, alternating which goes first, so
 slow drifts in machine load hit both alike; the ratio of each pair is one sample. A step
 is timed on rank 0 from a barrier to the end of the step, which both end by reading the
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import parallel  # noqa: E402,F401
 from bench.handwritten import Handwritten  # noqa: E402
@@ -43,6 +48,11 @@ from parallel.process_group import exit_without_teardown  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 3
+MOE = ("llama_moe", "debug-moe", "llama_moe")  # model, flavor and plan of the runs with ep
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Engine:
@@ -50,8 +60,10 @@ class Engine:
         self.cfg = Config()
         self.cfg.training.steps = total_steps
         self.dims = build_mesh(parse_mesh(mesh_text).resolve(dist.get_world_size()), "cpu")
-        self.model = build_on_meta("llama", self.cfg.model.flavor)
-        apply_plan(self.model, get_plan("llama"), self.dims, self.cfg.parallel, self.cfg.prefetch)
+        if self.dims.spec.ep > 1:
+            self.cfg.model.name, self.cfg.model.flavor, self.cfg.parallel.plan = MOE
+        self.model = build_on_meta(self.cfg.model.name, self.cfg.model.flavor)
+        apply_plan(self.model, get_plan(self.cfg.parallel.plan), self.dims, self.cfg.parallel, self.cfg.prefetch)
         materialise(self.model, "cpu", self.cfg.training.seed)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, total_steps)
         self.source = CorpusSource(REPO / "data" / "corpus.txt", self.cfg.training.seed)
@@ -79,11 +91,12 @@ def main() -> None:
     total = WARMUP_STEPS + pairs
     engine = Engine(mesh_text, total, tempfile.mkdtemp(prefix="overhead-"))
     spec = engine.dims.spec
-    hand = Handwritten(spec.dp, spec.tp, engine.cfg.model.flavor, engine.cfg.training.seed, engine.cfg.optim.lr)
+    hand = Handwritten(spec.dp, spec.tp, engine.cfg.model.flavor, engine.cfg.training.seed, engine.cfg.optim.lr,
+                       spec.ep, engine.cfg.model.name)
     with torch.no_grad():  # same starting weights: the layouts match shard for shard
         for (name, ours), (other, theirs) in zip(engine.model.named_parameters(), hand.model.named_parameters()):
             assert name == other, (name, other)
-            theirs.to_local().copy_(ours.to_local())
+            local(theirs).copy_(local(ours))
     runners = {"engine": engine.step, "handwritten": hand.step}
     # The hand-written step returns this rank's loss; average it as the engine does.
     first_losses = {name: global_mean(torch.tensor(fn(0)), engine.dims.data.get_group())
@@ -102,7 +115,8 @@ def main() -> None:
         ratios.append(pair["engine"] / pair["handwritten"])
     quartiles = statistics.quantiles(ratios, n=4)
     if dist.get_rank() == 0:
-        print(f"mesh {spec} on {dist.get_world_size()} ranks, debug model, batch 16 x 64, "
+        print(f"mesh {spec} on {dist.get_world_size()} ranks, {engine.cfg.model.name}/{engine.cfg.model.flavor}, "
+              f"batch 16 x 64, "
               f"{pairs} interleaved step pairs after {WARMUP_STEPS} warm-up steps")
         print(f"step-0 loss (same weights and batch, so equal up to rounding): engine "
               f"{first_losses['engine']:.6f}, handwritten {first_losses['handwritten']:.6f}")

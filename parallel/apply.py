@@ -10,7 +10,8 @@
    activations (norms, products, sequence-parallel gathers) in backward, per sublayer,
 3. torch.compile, per block,
 4. fully_shard on every block (with the reshard-after-forward setting); with ep > 1 each
-   block's experts first, over the expert-dp ranks,
+   block's experts first, over the expert-dp ranks (where there is more than one, or
+   offload: shard_experts),
 5. fully_shard on the root, which takes the remaining parameters,
 6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
@@ -283,21 +284,34 @@ def fsdp_policies(options: ParallelConfig, device_type: str) -> dict:
     return policies
 
 
+def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
+    """Whether FSDP takes the experts (split over ep) over their own data ranks: where it
+    has something to do, more than one rank to shard over and average with, or offload.
+    Over one rank it would only copy (and cast) every expert's weights twice a step, about
+    5% of a debug-moe step at dp=4,ep=4 on CPU (docs/benchmarks.md); there the experts stay
+    whole ep shards and cast themselves to param_dtype (parallel/expert.py)."""
+    return dims.spec.ep > 1 and (dims.expert_fsdp.size() > 1 or options.offload)
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,
                reshard: bool | int, post_forward_mesh=None, expert_modules: list[nn.Module] = ()) -> None:
     """`post_forward_mesh`: the engine's own, for an integer reshard that fully_shard cannot
     apply by itself (parallel/reshard.py). `expert_modules`: split over ep, sharded over
-    their own mesh (an integer reshard is refused with ep up front)."""
+    their own mesh (an integer reshard is refused with ep up front), or left out of FSDP
+    where shard_experts says so."""
     policies = fsdp_policies(options, dims.device_type)
+    sharded = shard_experts(dims, options)
+    left_out = set() if sharded else {param for module in expert_modules for param in module.parameters()}
     for block in blocks:
         inside = {id(module) for module in block.modules()}
-        for experts in (module for module in expert_modules if id(module) in inside):
+        for experts in (module for module in expert_modules if id(module) in inside and sharded):
             fully_shard(experts, mesh=dims.expert_fsdp, reshard_after_forward=reshard, **policies)
         fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
-                    **policies)
+                    ignored_params=left_out, **policies)
         if post_forward_mesh is not None:
             install_post_forward_mesh(block, post_forward_mesh)
-    fully_shard(model, mesh=dims.fsdp, reshard_after_forward=options.root_reshard_after_forward, **policies)
+    fully_shard(model, mesh=dims.fsdp, reshard_after_forward=options.root_reshard_after_forward,
+                ignored_params=left_out, **policies)
 
 
 @dataclass
@@ -316,6 +330,7 @@ class AppliedPlan:
     attention: list[str] = field(default_factory=list)  # cores attending across cp ranks
     float8: list[str] = field(default_factory=list)  # linears that compute in float8
     experts: list[str] = field(default_factory=list)  # experts modules split over ep
+    experts_sharded: bool = False  # whether FSDP shards them too (shard_experts)
     block_reshard: bool | int = True
     stages: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
 
@@ -334,10 +349,13 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
         applied.tp_styles.update(tp_styles)
     cp_cores = apply_context_parallel(model, plan, dims, getattr(torch, options.param_dtype)) if dims.cp_enabled else []
     applied.attention += cp_cores
-    expert_paths = apply_expert_parallel(model, plan, dims.ep) if dims.spec.ep > 1 else []
+    sharded_experts = shard_experts(dims, options)
+    expert_paths = (apply_expert_parallel(model, plan, dims.ep, None if sharded_experts else
+                                          getattr(torch, options.param_dtype)) if dims.spec.ep > 1 else [])
     applied.experts += expert_paths
+    applied.experts_sharded = sharded_experts
     checkpointed, recomputed = apply_activation_checkpoint(paths, model, plan, options, dims.spec.pp, cp_cores,
-                                                           expert_paths)
+                                                           expert_paths if sharded_experts else [])
     applied.checkpointed += checkpointed
     applied.recomputed += recomputed
     if options.compile:

@@ -8,6 +8,9 @@ expert sees the tokens of its ep group's ep ranks. The world mesh's dp dimension
 split, in a mesh of its own for the experts (ParallelDims.experts), into
 (expert-dp, ep), ep inside: the experts' weights are sharded over ep by expert
 (DTensor Shard(0)) and FSDP shards each rank's experts over the expert-dp ranks (and cp).
+Where those are one rank (ep = dp, no cp or hsdp), FSDP would have nothing to shard or
+average, so the experts stay out of it (parallel/apply.py: shard_experts) and cast
+their weights to the compute dtype themselves.
 
 Dispatch and combine are all_to_all_single with uneven splits (gloo and NCCL both
 implement it; gloo lacks the list form, pytorch#88245). Each expert's gradient sums
@@ -55,10 +58,12 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor,
+                     compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The experts module's forward under ep: x holds this rank's tokens sorted by (global)
     expert, counts[e] of them for expert e. They go to the ranks holding their experts,
-    run there sorted by local expert, and come back in x's order."""
+    run there sorted by local expert, and come back in x's order. `compute_dtype`: what
+    the weights are cast to, where FSDP does not do it."""
     ep = dist.get_world_size(group)
     local = counts.numel() // ep
     received_counts = torch.empty_like(counts)  # [source rank, local expert]
@@ -73,6 +78,8 @@ def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.T
     order = expert_of_row.argsort(stable=True)
     weights = [_ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
                for w in (experts.w13, experts.w2)]
+    if compute_dtype is not None:
+        weights = [w.to(compute_dtype) for w in weights]
     out = experts.compute(received[order], received_per_rank.sum(0), *weights)
     restored = torch.empty_like(out).index_copy_(0, order, out)
     return _AllToAll.apply(restored, sent, received_rows, group)
@@ -119,14 +126,16 @@ def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, compil
                             f"from the divisors of {n_experts}.")
 
 
-def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh) -> list[str]:
+def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh, compute_dtype: torch.dtype | None = None) -> list[str]:
     """Shard each experts module's weights over ep by expert and route its forward through
-    dispatch_forward. Returns the modules' paths."""
+    dispatch_forward (`compute_dtype`: for experts FSDP leaves alone). Returns the modules'
+    paths."""
     paths = expert_paths(model, plan)
     group = ep_mesh.get_group()
     for path in paths:
         experts = model.get_submodule(path)
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
-        experts.forward = lambda x, counts, experts=experts: dispatch_forward(experts, group, x, counts)
+        experts.forward = lambda x, counts, experts=experts: dispatch_forward(experts, group, x, counts,
+                                                                              compute_dtype)
     return paths

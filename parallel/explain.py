@@ -81,7 +81,8 @@ def explain(model: nn.Module, applied: AppliedPlan) -> str:
                  f"sequence parallel {options.sequence_parallel}, loss parallel {options.loss_parallel}")
     if applied.experts:
         lines.append(f"experts split over ep on {len(applied.experts)} modules (all_to_all_single dispatch), "
-                     f"sharded over expert-dp")
+                     + ("sharded over expert-dp" if applied.experts_sharded else
+                        "not sharded further (expert-dp is one rank: FSDP leaves them out)"))
     if applied.float8:
         lines.append(f"float8 {options.float8} on {len(applied.float8)} linears (type Float8Linear)"
                      f"{', weights all-gathered in float8' if options.float8_all_gather else ''}")
