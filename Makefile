@@ -17,11 +17,12 @@ ARGS ?=
 # so a new clone (or CI run) on the same machine reuses the multi-GB download.
 COMPAT_ROOT ?= $(HOME)/.cache/meshtrain
 COMPAT_VENV := $(COMPAT_ROOT)/$(subst ==,-,$(subst $() ,,$(TORCH_SPEC)))
-# The project's own requirements from setup.cfg, without torch (TORCH_SPEC gives it).
-REQUIREMENTS = $(shell $(PYTHON) -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); \
-	print(' '.join(r for r in (c['options']['install_requires'] + c['options.extras_require']['test'] \
+# The project's own requirements from setup.cfg, without torch (TORCH_SPEC gives it) but
+# with torchao, which the float8 rows need.
+REQUIREMENTS = $(shell $(PYTHON) -c "import configparser, re, shlex; c = configparser.ConfigParser(); c.read('setup.cfg'); \
+	print(' '.join(shlex.quote(r) for r in (c['options']['install_requires'] + c['options.extras_require']['test'] \
 	+ c['options.extras_require']['data']).split() \
-	if not r.startswith('torch')))")
+	if re.match(r'torch\b(?!ao)', r) is None))")
 
 .PHONY: run test test-matrix test-slow test-docs env clean compat-env test-compat
 
@@ -39,7 +40,7 @@ run: env
 test: env
 	$(PY) -m pytest -q tests $(ARGS)
 
-$(COMPAT_VENV)/.ready: setup.cfg
+$(COMPAT_VENV)/.ready: setup.cfg Makefile
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(REQUIREMENTS)
 	touch $@
