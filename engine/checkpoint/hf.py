@@ -226,7 +226,7 @@ def load_hf(model, folder: str | Path) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    safetensors = _safetensors()
+    _safetensors()  # its error with the install line, before anything is read
     folder = Path(folder)
     state = _model_state(model)
     args = whole_model(model).args
@@ -253,17 +253,11 @@ def load_hf(model, folder: str | Path) -> None:
             state["output.weight"] = state["tok_embeddings.weight"]
         set_model_state_dict(model, state)
     else:
-        by_file: dict[Path, list[str]] = {}
-        for key in targets:
-            by_file.setdefault(index[key][0], []).append(key)
-        with torch.no_grad():
-            for path, keys in by_file.items():
-                with safetensors.safe_open(str(path), framework="pt") as handle:
-                    for key in keys:
-                        targets[key].copy_(handle.get_tensor(key))
-            with _TensorReader(index) as read:
-                for key in assembled:
-                    state[key].copy_(mapping.our_tensor(key, list(state[key].shape), read))
+        with _TensorReader(index) as read, torch.no_grad():
+            for key, target in targets.items():
+                target.copy_(read(key))
+            for key in assembled:
+                state[key].copy_(mapping.our_tensor(key, list(state[key].shape), read))
 
 
 class _TensorReader:
