@@ -29,8 +29,8 @@ from models.moe import MoEArgs
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
-# Besides the token ids: the auxiliary loss transformers adds when it trains this model.
-CARRIED_KEYS = (*llama_hf.CARRIED_KEYS, "router_aux_loss_coef", "output_router_logits")
+# Carried besides Llama's token ids: the auxiliary loss transformers adds when it trains this model.
+MORE_CARRIED_KEYS = ("router_aux_loss_coef", "output_router_logits")
 
 _OURS = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.gate\.weight|experts\.w13|experts\.w2)")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(?:gate\.weight|experts\.(\d+)\.(w[123])\.weight)")
@@ -125,7 +125,7 @@ def hf_config_from_args(args: MoEArgs, carried: dict | None = None, dtype: str =
     config.update(architectures=[ARCHITECTURE], model_type=MODEL_TYPE, intermediate_size=args.routed_hidden,
                   num_local_experts=args.n_experts, num_experts_per_tok=args.top_k, sliding_window=None,
                   router_jitter_noise=0.0, output_router_logits=False)
-    for key in CARRIED_KEYS:
+    for key in MORE_CARRIED_KEYS:  # llama_hf.hf_config_from_args took its own
         if carried and carried.get(key) is not None:
             config[key] = carried[key]
     return config

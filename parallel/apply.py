@@ -287,8 +287,9 @@ def fsdp_policies(options: ParallelConfig, device_type: str) -> dict:
 def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
     """Whether FSDP takes the experts (split over ep) over their own data ranks: where it
     has something to do, more than one rank to shard over and average with, or offload.
-    Over one rank it would only copy (and cast) every expert's weights twice a step, about
-    5% of a debug-moe step at dp=4,ep=4 on CPU (docs/benchmarks.md); there the experts stay
+    Over one rank it would only copy (and cast) the experts' weights in and their gradients
+    out each step: at dp=4,ep=4 on CPU the debug-moe step against a hand-written script went
+    from 1.073 to 1.027 without it (docs/benchmarks.md); there the experts stay
     whole ep shards and cast themselves to param_dtype (parallel/expert.py)."""
     return dims.spec.ep > 1 and (dims.expert_fsdp.size() > 1 or options.offload)
 

@@ -68,12 +68,12 @@ def hf_format(args):
     return mixtral_hf if isinstance(args, MoEArgs) else llama_hf
 
 
-def _require_model_for(model_name: str, model_type) -> None:
+def _require_model_for(model_name: str, model_type, mapping) -> None:
     from models import MODELS, model_args
     if model_name not in MODELS:
         model_args(model_name, "")  # the registry's own "unknown model" error
     model_class = MODELS[model_name][0]
-    wanted, name = (MoELlama, "llama_moe") if model_type == mixtral_hf.MODEL_TYPE else (Llama, "llama")
+    wanted, name = (MoELlama, "llama_moe") if mapping is mixtral_hf else (Llama, "llama")
     if not (isinstance(model_class, type) and issubclass(model_class, wanted)) or (
             wanted is Llama and issubclass(model_class, MoELlama)):
         raise UserError(f"checkpoint.hf_import reads a {model_type!r} checkpoint into a {wanted.__name__}, but "
@@ -87,9 +87,9 @@ def register_hf_flavor(model_name: str, folder: str | Path) -> str:
     from models import MODELS
     config = read_hf_config(folder)
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    _require_model_for(model_name, model_type)
-    source = str(Path(folder) / CONFIG)
-    args = (mixtral_hf if model_type == mixtral_hf.MODEL_TYPE else llama_hf).args_from_hf_config(config, source)
+    mapping = mixtral_hf if model_type == mixtral_hf.MODEL_TYPE else llama_hf
+    _require_model_for(model_name, model_type, mapping)
+    args = mapping.args_from_hf_config(config, str(Path(folder) / CONFIG))
     name = f"{FLAVOR_PREFIX}{folder}"
     MODELS[model_name][1][name] = args
     return name
