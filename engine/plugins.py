@@ -19,6 +19,10 @@ def load_plugins(names: str) -> None:
         if name.startswith("."):  # importlib would need a package to be relative to
             raise UserError(f"model.plugin {name!r} is a relative module name. Give a module path importable "
                             f"from the working directory, e.g. my_project.my_plan.")
+        if not all(part.isidentifier() for part in name.split(".")):  # a file path, say: import hooks differ
+            raise UserError(f"model.plugin {name!r} is not a module name (Python names joined by dots, not a "
+                            f"file path). Give a module path importable from the working directory, "
+                            f"e.g. my_project.my_plan.")
         try:
             importlib.import_module(name)
         except ImportError as err:

@@ -69,6 +69,8 @@ BAD_INPUT = [
     (["--mesh", "tp=8"], ["'layers.0.attention.wk'", "over tp=8 ranks"]),
     (["--set", "parallel.reshard_after_forward=3"], ["must divide the FSDP shard size dp=4"]),
     (["--set", "model.plugin=no_such_module"], ["model.plugin 'no_such_module' cannot be imported"]),
+    # found by tests/test_config_fuzz.py: under pytest, importlib raised ValueError for "/"
+    (["--set", "model.plugin=/"], ["model.plugin '/' is not a module name"]),
     (["--set", "model.name=gpt2", "--set", "parallel.plan=llama"], ["matches no module of GPT2"]),
     (["--parity", "--set", "parity.layers=9"], ["parity.layers=9 is deeper than llama/debug", "4 blocks"]),
     (["--parity", "--set", "parity.reference=false"], ["nothing to compare with", "parity.check_against"]),
