@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU, as it is: the tests that need CUDA (float8 parity rows
-# among them), then the throughput benchmark beside torchtitan, bf16 and float8, with the
-# dry run's predictions of the same steps. Results go to OUT (default runs/gpu-bench):
-# cuda-tests.log, throughput*.json/md.
+# On a machine with a CUDA GPU, as it is: the tests that need CUDA (float8 and MoE parity
+# rows among them), the throughput benchmark beside torchtitan, bf16 and float8, with the
+# dry run's predictions of the same steps, then the mixture of experts beside torchtitan's.
+# Results go to OUT (default runs/gpu-bench): cuda-tests.log, compiled/ and moe/ (each
+# throughput.json and .md).
 #
 #   bench/gpu.sh [OUT]
 #
@@ -10,19 +11,23 @@
 # among them, and installs only what is missing (TORCHTITAN_SPEC, default torchtitan==0.2.2,
 # the newest release that imports on torch 2.11; torchao for float8): from PyPI, or on a
 # machine without a network from the wheels in WHEELS (default .whl, where present). Set
-# PYTHON to choose the interpreter; STAGES to run a subset of "tests throughput eager"
-# (default "tests throughput"); SHAPES, VARIANTS and ROUNDS for the throughput stage
-# (bench/gpu_throughput.py --shapes, --variants, --rounds).
+# PYTHON to choose the interpreter; STAGES to run a subset of "tests throughput moe eager"
+# (default "tests throughput moe"); TESTS to pass the tests stage a pytest -k expression;
+# SHAPES, VARIANTS and ROUNDS for the throughput stage (bench/gpu_throughput.py --shapes,
+# --variants, --rounds), MOE_SHAPES and MOE_VARIANTS for the moe stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-bench}
 PYTHON=${PYTHON:-python3}
 TORCHTITAN_SPEC=${TORCHTITAN_SPEC:-torchtitan==0.2.2}
-STAGES=${STAGES:-tests throughput}
+STAGES=${STAGES:-tests throughput moe}
+TESTS=${TESTS:-}
 WHEELS=${WHEELS:-.whl}
 SHAPES=${SHAPES:-8B:4:8192:1}
 VARIANTS=${VARIANTS:-torchtitan,engine+keep,engine+float8-tensorwise+keep,torchtitan+float8-tensorwise,engine+float8-rowwise+keep,torchtitan+float8-rowwise}
 ROUNDS=${ROUNDS:-1}
+MOE_SHAPES=${MOE_SHAPES:-mixtral-8x7B:2:8192:1}
+MOE_VARIANTS=${MOE_VARIANTS:-engine+keep,torchtitan}
 ENV=.venv-gpu
 PY=$ENV/bin/python
 mkdir -p "$OUT"
@@ -67,12 +72,17 @@ status=0
 if [[ " $STAGES " == *" tests "* ]]; then
     stage "the CUDA tests (pytest -m cuda)"
     workers=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
-    "$PY" -m pytest -q -m cuda tests/test_cuda.py $workers 2>&1 | tee "$OUT/cuda-tests.log"
+    "$PY" -m pytest -q -m cuda tests/test_cuda.py $workers ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/cuda-tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [[ " $STAGES " == *" throughput "* ]]; then
     stage "throughput with torch.compile, engine beside torchtitan, and the dry run's predictions"
     "$PY" bench/gpu_throughput.py --out "$OUT/compiled" --predict --shapes "$SHAPES" --variants "$VARIANTS" \
+        --rounds "$ROUNDS" || status=1
+fi
+if [[ " $STAGES " == *" moe "* ]]; then
+    stage "the mixture of experts with torch.compile, engine beside torchtitan (the dry run does not plan MoE yet)"
+    "$PY" bench/gpu_throughput.py --out "$OUT/moe" --shapes "$MOE_SHAPES" --variants "$MOE_VARIANTS" \
         --rounds "$ROUNDS" || status=1
 fi
 if [[ " $STAGES " == *" eager "* ]]; then

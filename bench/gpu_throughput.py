@@ -6,9 +6,13 @@ usage: python bench/gpu_throughput.py --out DIR [--rounds 2] [--steps 10] [--sha
 Each measurement is its own process (a fresh CUDA context and compile caches that only
 the inductor disk cache carries over), and the runners alternate shape by shape,
 round by round (engine, torchtitan, engine, torchtitan, ...), so drifts in the GPU's
-clocks hit both alike. A shape is FLAVOR:LAYERS:SEQ_LEN:BATCH, a built-in Llama flavor at
-a reduced depth; torchtitan builds its own Llama 3 model with the same dim, heads, kv heads,
-FFN width, vocabulary and depth.
+clocks hit both alike. A shape is FLAVOR:LAYERS:SEQ_LEN:BATCH, a built-in Llama flavor
+(model llama) or mixture-of-experts flavor (model llama_moe, e.g. mixtral-8x7B) at a
+reduced depth. For a Llama flavor torchtitan builds its own Llama 3 model with the same
+dim, heads, kv heads, FFN width, vocabulary and depth; for a mixture of experts, its
+Llama 4 model made Mixtral-like: every block an MoE of the same experts, width and top k,
+a softmax router with the top k renormalised, no shared expert, rotary embeddings in every
+block, no load-balancing bias, and its grouped GEMMs (torch._grouped_mm, as the engine's).
 
 - engine: launch.build.sharded_model (plan, fully_shard over the one rank with bf16
   parameters and fp32 gradient reduction, compile per block) stepped by the real loop step
@@ -95,6 +99,12 @@ class Shape:
     def __str__(self) -> str:
         return f"{self.flavor}:{self.layers}:{self.seq_len}:{self.batch}"
 
+    @property
+    def model(self) -> str:
+        """The engine's model name for the flavor: llama, or llama_moe for an MoE flavor."""
+        from models.moe import FLAVORS
+        return "llama_moe" if self.flavor in FLAVORS else "llama"
+
 
 def timed_steps(step, first: int, steps: int, device) -> tuple[float, int]:
     """The mean seconds per step over `steps` steps from index `first`, and the peak bytes
@@ -157,6 +167,7 @@ def engine_config(shape: Shape, compile_blocks: bool, total_steps: int, variant:
     cfg = Config()
     cfg.parallel.float8 = variant.float8
     cfg.parallel.reshard_after_forward = "keep" not in variant.options
+    cfg.model.name = cfg.parallel.plan = shape.model
     cfg.model.flavor = shape.flavor
     cfg.parallel.mesh = "dp=1"
     cfg.parallel.device = "cuda"
@@ -213,6 +224,53 @@ def torchtitan_args(shape: Shape):
                                 rope_theta=ours.rope_theta, max_seq_len=shape.seq_len)
 
 
+def torchtitan_moe_args(shape: Shape):
+    """torchtitan's Llama 4 args made Mixtral-like (the module docstring) with the engine
+    MoE flavor's shapes at the shape's depth."""
+    from torchtitan.models.llama4.model.args import TransformerModelArgs
+    from torchtitan.models.moe import MoEArgs
+
+    from models import model_args
+    ours = model_args("llama_moe", shape.flavor)
+    if ours.shared_hidden or ours.dense_layers or ours.router != "softmax":
+        raise SystemExit(f"{shape.flavor}: only Mixtral-like flavors (softmax router, no shared expert, no dense "
+                         f"blocks) have a torchtitan counterpart here")
+    # Every block an MoE of width int(8 * dim / 3), times ffn_dim_multiplier, rounded up to a
+    # multiple of multiple_of: multiple_of = the expert width, and a multiplier that brings a
+    # wider default down to at most that width, give the width itself.
+    default = int(8 * ours.dim / 3)
+    moe = MoEArgs(num_experts=ours.n_experts, num_shared_experts=0, score_func="softmax", route_norm=True,
+                  score_before_experts=False, top_k=ours.top_k, use_grouped_mm=True, load_balance_coeff=None)
+    return TransformerModelArgs(dim=ours.dim, n_layers=shape.layers, n_heads=ours.n_heads,
+                                n_kv_heads=ours.n_kv_heads, vocab_size=ours.vocab_size,
+                                multiple_of=ours.routed_hidden,
+                                ffn_dim_multiplier=min(1.0, ours.routed_hidden / default), norm_eps=ours.norm_eps, rope_theta=ours.rope_theta,
+                                max_seq_len=shape.seq_len, every_n_layers_nope=None, moe_args=moe,
+                                auto_scale_hidden_dim=False, interleave_moe_layer_step=1)
+
+
+def torchtitan_model(shape: Shape):
+    """(torchtitan's model on the meta device, its parallelize function, its args) for the
+    shape, with the FFN or expert width checked against the engine flavor's."""
+    import torch
+    if shape.model == "llama_moe":
+        from torchtitan.models.llama4.infra.parallelize import parallelize_llama
+        from torchtitan.models.llama4.model.model import Transformer
+        args = torchtitan_moe_args(shape)
+        with torch.device("meta"):
+            model = Transformer(args)
+        width = model.layers["0"].moe.experts.w1.shape[1]
+    else:
+        from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+        from torchtitan.models.llama3.model.model import Transformer
+        args = torchtitan_args(shape)
+        with torch.device("meta"):
+            model = Transformer(args)
+        width = model.layers["0"].feed_forward.w1.weight.shape[0]
+    assert width == args.multiple_of, f"torchtitan's FFN width {width} is not the flavor's {args.multiple_of}"
+    return model, parallelize_llama, args
+
+
 def run_torchtitan(shape: Shape, variant: Variant, compile_blocks: bool, warmup: int, steps: int,
                    profile: str = "") -> dict:
     import torch
@@ -223,8 +281,6 @@ def run_torchtitan(shape: Shape, variant: Variant, compile_blocks: bool, warmup:
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
-    from torchtitan.models.llama3.model.model import Transformer
     import torchtitan.components.quantization  # noqa: F401  (registers the float8 converter)
     from torchtitan.protocols.model_converter import build_model_converters
 
@@ -243,11 +299,7 @@ def run_torchtitan(shape: Shape, variant: Variant, compile_blocks: bool, warmup:
         job.quantize.linear.float8.filter_fqns = ["output"]
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     built = time.perf_counter()
-    args = torchtitan_args(shape)
-    with torch.device("meta"):
-        model = Transformer(args)
-    ffn = model.layers["0"].feed_forward.w1.weight.shape[0]
-    assert ffn == args.multiple_of, f"torchtitan's FFN width {ffn} is not the flavor's {args.multiple_of}"
+    model, parallelize_llama, args = torchtitan_model(shape)
     build_model_converters(job, dims).convert(model)  # as its Trainer does, before parallelize
     parallelize_llama(model, dims, job)
     model.to_empty(device=device)
@@ -357,7 +409,7 @@ def orchestrate(args) -> None:
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps)] + ([] if args.compile else ["--eager"])
     for text in args.shapes.split(","):
         shape = Shape.parse(text)
-        fpt = flops_per_token(build_on_meta("llama", shape.flavor, shape.layers), shape.seq_len)
+        fpt = flops_per_token(build_on_meta(shape.model, shape.flavor, shape.layers), shape.seq_len)
         variants = [v for v in map(Variant.parse, args.variants.split(","))
                     if header["torchtitan"] or v.runner == "engine"]
         results = {str(v): [] for v in variants}

@@ -22,6 +22,8 @@ from tests.test_parity import assert_within_promised_tolerances
 
 pytestmark = pytest.mark.cuda
 
+MOE = ("model.name=llama_moe", "model.flavor=debug-moe", "parallel.plan=llama_moe")
+
 ONE_RANK = {
     "fp32": (),
     "compile": ("parallel.compile=true",),
@@ -41,6 +43,12 @@ ONE_RANK = {
     "float8-rowwise": ("parallel.float8=rowwise", "parallel.param_dtype=bfloat16"),
     "float8-compile-ac": ("parallel.float8=rowwise", "parallel.param_dtype=bfloat16", "parallel.compile=true",
                           "parallel.activation_checkpoint=op"),
+    # The mixture of experts: fp32 loops over the experts, bf16 runs the grouped GEMM
+    # (test_grouped_experts_match_the_loop_on_cuda checks that one against the loop).
+    "moe": MOE,
+    "moe-bf16": (*MOE, "parallel.param_dtype=bfloat16"),
+    "moe-compile-ac-bf16": (*MOE, "parallel.param_dtype=bfloat16", "parallel.compile=true",
+                            "parallel.activation_checkpoint=selective", "moe.load_balance=0.01"),
 }
 
 
@@ -83,3 +91,32 @@ def test_several_gpus_match_one_device(root, case):
     assert report["device"] == "cuda/nccl" and report["world_size"] == ranks(mesh)
     assert code == 0, report["checks"]
     assert_within_promised_tolerances(report)
+
+
+def test_grouped_experts_match_the_loop_on_cuda():
+    """The grouped GEMM on the GPU, on token groups of uneven sizes (empty and odd ones
+    among them, none a multiple of 8), against the loop over experts and an fp32 loop:
+    forward and backward in bf16, each within twice the loop's own distance from fp32."""
+    from models.moe import Experts, MoEArgs, grouped_gemm_works
+    device = torch.device("cuda")
+    assert grouped_gemm_works(device, torch.bfloat16), "torch._grouped_mm does not run in bf16 on this GPU"
+    torch.manual_seed(0)
+    experts = Experts(MoEArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, ffn_hidden=512, vocab_size=64,
+                                     max_seq_len=64, n_experts=8, top_k=2, expert_hidden=192)).to(device)
+    counts = torch.tensor([0, 1, 7, 33, 0, 129, 5, 83], device=device)
+    x = torch.randn(int(counts.sum()), 256, device=device)
+    weights = (torch.randn_like(experts.w13) * 0.05, torch.randn_like(experts.w2) * 0.05)
+    grad = torch.randn(x.shape, device=device)
+
+    def run(dtype, grouped):
+        experts.grouped_dtypes = frozenset({dtype}) if grouped else frozenset()
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, *weights)]
+        out = experts.compute(leaves[0], counts, *leaves[1:])
+        out.backward(grad.to(dtype))
+        return [out.float()] + [t.grad.float() for t in leaves]
+
+    reference, loop, grouped = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for name, ref, looped, got in zip(("output", "x grad", "w13 grad", "w2 grad"), reference, loop, grouped):
+        limit = 2 * (looped - ref).abs().max() + 1e-3 * ref.abs().max()
+        assert (got - ref).abs().max() <= limit, (name, (got - ref).abs().max().item(), limit.item())
+
