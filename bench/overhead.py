@@ -43,7 +43,7 @@ from models import build_on_meta  # noqa: E402
 from models.materialise import materialise  # noqa: E402
 from parallel.apply import apply_plan  # noqa: E402
 from parallel.mesh import build_mesh, parse_mesh  # noqa: E402
-from parallel.plan import get_plan  # noqa: E402
+from parallel.plan import plan_of  # noqa: E402
 from parallel.process_group import exit_without_teardown  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ class Engine:
         if self.dims.spec.ep > 1:
             self.cfg.model.name, self.cfg.model.flavor, self.cfg.parallel.plan = MOE
         self.model = build_on_meta(self.cfg.model.name, self.cfg.model.flavor)
-        apply_plan(self.model, get_plan(self.cfg.parallel.plan), self.dims, self.cfg.parallel, self.cfg.prefetch)
+        apply_plan(self.model, plan_of(self.cfg), self.dims, self.cfg.parallel, self.cfg.prefetch)
         materialise(self.model, "cpu", self.cfg.training.seed)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, total_steps)
         self.source = CorpusSource(REPO / "data" / "corpus.txt", self.cfg.training.seed)

@@ -29,7 +29,7 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     mesh: str = "dp=-1"
-    plan: str = "llama"
+    plan: str = ""  # the parallelize plan's name; "": the plan named after model.name, else llama
     device: str = "auto"  # auto, cpu or cuda
     backend: str = "auto"  # auto, gloo or nccl
     sequence_parallel: bool = False

@@ -60,9 +60,9 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_we
     from models.materialise import materialise
     from parallel.apply import apply_plan
     from parallel.pipeline import parts_of, sync_tied_weights
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
 
-    applied = apply_plan(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), get_plan(cfg.parallel.plan),
+    applied = apply_plan(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), plan_of(cfg),
                          dims, cfg.parallel, prefetch)
     model = applied.model
     for part in parts_of(model):  # each pipeline stage's part is a model of its own

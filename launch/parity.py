@@ -37,7 +37,7 @@ from engine.train import agree_on_ids, build_optimizer, evaluate, host_group, lo
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
 from parallel.float8 import convert_to_float8, float8_linears
 from parallel.pipeline import parts_of, whole_model
-from parallel.plan import expand, get_plan
+from parallel.plan import expand, plan_of
 
 WORST = 10
 # full_tensor() of an FSDP+TP (_StridedShard) parameter logs a performance warning per
@@ -62,8 +62,8 @@ def build_reference(cfg, device, slices: int = 1) -> Reference:
         compute = single_device_model(cfg, where, cfg.parity.layers, getattr(torch, cfg.parallel.param_dtype))
     if cfg.parallel.float8 != "none":  # the same linears in float8, with the same scaling
         computing = compute if compute is not None else model
-        plan = get_plan(cfg.parallel.plan)
-        blocks = expand(computing, plan.blocks, cfg.parallel.plan)
+        plan = plan_of(cfg)
+        blocks = expand(computing, plan.blocks, plan.name)
         convert_to_float8(computing, float8_linears(computing, blocks, plan.float8_skip), cfg.parallel.float8,
                           all_gather=False, emulate=where.type != "cuda")
     return Reference(model, cfg, compute, slices)
@@ -151,7 +151,7 @@ class ParityRun:
             "mesh": str(self.spec), "world_size": dist.get_world_size(),
             "device": f"{self.device.type}/{pick_device(cfg)[1]}",
             "reference": str(reference_device(reference)) if reference is not None else "none",
-            "model": f"{cfg.model.name}/{cfg.model.flavor}", "plan": cfg.parallel.plan,
+            "model": f"{cfg.model.name}/{cfg.model.flavor}", "plan": plan_of(cfg).name,
             "layers": getattr(getattr(whole_model(model), "args", None), "n_layers", None),
             "dtype": self.tolerance.dtype, "optimizer": cfg.optim.name, "steps": cfg.parity.steps,
             "micro_batches": cfg.training.micro_batches,

@@ -124,15 +124,15 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     from parallel.apply import tensor_parallel_styles
     from parallel.context import check_context_parallel
     from parallel.fsdp_internals import check_supported
-    from parallel.plan import expand, get_plan
+    from parallel.plan import expand, plan_of
     from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
     from parallel.validate import validate_plan
     register_model_sources(cfg)
-    plan = get_plan(cfg.parallel.plan)
     if not (args.dry_run or args.plan_for):  # a dry run simulates a GPU job on any machine
         check_gpu_count(cfg, spec.world_size)
     hf_import = cfg.checkpoint.hf_import
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
+    plan = plan_of(cfg)
     check_model_contract(model, cfg.model.name)
     from engine.routing import check as check_routing
     check_routing(model, cfg.moe, spec.cp)
@@ -290,13 +290,13 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     from models.contract import vocab_size
     from engine.metrics.log import StepLog
     from engine.train import train
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
     from parallel.pipeline import parts_of, whole_model
     from parallel.prefetch import prefetch_order, unshard_ahead
     from parallel.reshard import describe_auto
 
     dims, device = start_process_group(cfg, spec)
-    plan = get_plan(cfg.parallel.plan)
+    plan = plan_of(cfg)
     resume_from = agreed(lambda: find_checkpoint(cfg))  # every rank resumes from rank 0's choice
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
                   every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,

@@ -101,6 +101,15 @@ def get_plan(name: str) -> Plan:
     return PLANS[name]
 
 
+def plan_of(cfg) -> Plan:
+    """The run's plan: `parallel.plan`, or where that is unset the plan registered under
+    the model's name (each built-in and example plan is named after its model), and for a
+    model with no plan of its name Llama's, the plan every model took before plans
+    followed model names."""
+    name = cfg.parallel.plan or (cfg.model.name if cfg.model.name in PLANS else "llama")
+    return get_plan(name)
+
+
 def is_stage_part(model: nn.Module) -> bool:
     """Whether `model` is one pipeline stage's part of a model (parallel/pipeline.py)."""
     return hasattr(model, "stage_index")

@@ -4,12 +4,12 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import parallel  # noqa: F401
-from common.config import ParallelConfig
+from common.config import ParallelConfig, load_config
 from common.errors import UserError
 from models import build_on_meta
 from parallel.apply import tensor_parallel_styles
 from parallel.mesh import parse_mesh
-from parallel.plan import Plan, get_plan
+from parallel.plan import Plan, get_plan, plan_of
 from parallel.reshard import resolve_reshard
 from parallel.validate import validate_plan
 
@@ -78,3 +78,13 @@ def test_auto_reshard_uses_ranks_per_node():
 def test_bad_reshard_values(setting):
     with pytest.raises(UserError, match="reshard_after_forward"):
         resolve_reshard(setting, parse_mesh("dp=4,tp=2"))
+
+
+def test_an_unset_plan_follows_the_model_name():
+    """parallel.plan unset takes the plan named after model.name, Llama's for a model with
+    no plan of its name; a set one wins."""
+    assert plan_of(load_config(None)).name == "llama"
+    assert plan_of(load_config(None, ["model.name=llama_moe"])).name == "llama_moe"
+    assert plan_of(load_config("configs/debug.yaml", ["model.name=llama_moe"])).name == "llama_moe"
+    assert plan_of(load_config(None, ["model.name=llama_moe", "parallel.plan=llama"])).name == "llama"
+    assert plan_of(load_config(None, ["model.name=unplanned"])).name == "llama"

@@ -158,8 +158,8 @@ def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, pro
 
 
 def offers_sequence_parallel(cfg) -> bool:
-    from parallel.plan import get_plan
-    return bool(get_plan(cfg.parallel.plan).sequence_parallel)
+    from parallel.plan import plan_of
+    return bool(plan_of(cfg).sequence_parallel)
 
 
 def plan_takes_tp(cfg, tp: int) -> bool:
@@ -167,13 +167,13 @@ def plan_takes_tp(cfg, tp: int) -> bool:
     the plan has it, sequence parallel."""
     from models import build_on_meta
     from parallel.apply import tensor_parallel_styles
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
     from parallel.validate import validate_plan
     if tp == 1:
         return True
     sp = offers_sequence_parallel(cfg)
     cfg = with_overrides(cfg, [f"parallel.sequence_parallel={str(sp).lower()}", "parallel.loss_parallel=true"])
-    model, plan = build_on_meta(cfg.model.name, cfg.model.flavor, 1), get_plan(cfg.parallel.plan)
+    model, plan = build_on_meta(cfg.model.name, cfg.model.flavor, 1), plan_of(cfg)
     try:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), tp, sp)
     except UserError:
@@ -183,9 +183,9 @@ def plan_takes_tp(cfg, tp: int) -> bool:
 
 def context_degrees(cfg, ranks: int) -> list[int]:
     """1, and the cp degrees searched over `ranks` for this sequence length."""
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
     degrees, seq_len = [1], cfg.training.seq_len
-    if get_plan(cfg.parallel.plan).attention is None:
+    if plan_of(cfg).attention is None:
         return degrees
     cp = 2
     while ranks % cp == 0 and seq_len % (2 * cp) == 0 and seq_len // cp >= CP_MIN_TOKENS:
@@ -228,8 +228,8 @@ def pipeline_sizes(cfg) -> tuple[int, ...]:
 
 
 def plan_has_stages(cfg) -> bool:
-    from parallel.plan import get_plan
-    return get_plan(cfg.parallel.plan).stages is not None
+    from parallel.plan import plan_of
+    return plan_of(cfg).stages is not None
 
 
 def search_mesh(cfg, world: int) -> MeshSpec:
@@ -322,10 +322,9 @@ def whole_float8_flops(cfg, depth: int) -> float:
         return 0.0
     from engine.dryrun.estimate import float8_flops_per_token
     from models import build_on_meta
-    from parallel.plan import expand, get_plan
-    whole = build_on_meta(cfg.model.name, cfg.model.flavor, depth)
-    return float8_flops_per_token(whole, expand(whole, get_plan(cfg.parallel.plan).blocks, cfg.parallel.plan),
-                                  cfg.parallel.float8)
+    from parallel.plan import expand, plan_of
+    whole, plan = build_on_meta(cfg.model.name, cfg.model.flavor, depth), plan_of(cfg)
+    return float8_flops_per_token(whole, expand(whole, plan.blocks, plan.name), cfg.parallel.float8)
 
 
 def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator[tuple[Observation, float, float]]:
@@ -336,10 +335,10 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator
     from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
     from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank, stage_blocks
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
 
     spec, per_rank = layout.spec, layout.stages_per_rank
-    plan, whole = get_plan(cfg.parallel.plan), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
+    plan, whole = plan_of(cfg), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
     split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split, empty_ends(plan.stages))
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
     for pp_rank in pipeline_ranks(cfg, spec, depth):
@@ -381,10 +380,10 @@ def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_
     are not simulated; the whole then has no more blocks than the model)."""
     from engine.dryrun.simulate import observe_rank_zero
     from parallel.pipeline import empty_ends, stages_of_rank
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
 
     spec, per_rank = dataclasses.replace(layout.spec, pp=size), layout.stages_per_rank
-    first, last = empty_ends(get_plan(cfg.parallel.plan).stages)
+    first, last = empty_ends(plan_of(cfg).stages)
     split = [1] * (size * per_rank)
     split[0], split[-1] = int(not first), int(not last)
     for stage, count in zip(stages_of_rank(rank, size, per_rank, layout.schedule), blocks):
@@ -471,8 +470,8 @@ def most_stages(cfg, depth: int) -> int:
     """The most pipeline stages a model of `depth` blocks splits into: one block each, and
     the end stages none where the plan lets them (parallel.pipeline.empty_ends)."""
     from parallel.pipeline import empty_ends
-    from parallel.plan import get_plan
-    return depth + sum(empty_ends(get_plan(cfg.parallel.plan).stages))
+    from parallel.plan import plan_of
+    return depth + sum(empty_ends(plan_of(cfg).stages))
 
 
 def pipeline_schedules(cfg, pp: int, depth: int) -> list[tuple[str, int]]:

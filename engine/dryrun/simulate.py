@@ -113,11 +113,11 @@ def pipeline_ranks(cfg, spec, n_layers: int = 0) -> dict[int, list[int]]:
     micro-batches in flight (fewer, under 1F1B), so its peak bounds theirs."""
     from models import build_on_meta
     from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank
-    from parallel.plan import expand, get_plan
+    from parallel.plan import expand, plan_of
 
     if spec.pp == 1:
         return {0: [0]}
-    plan, options = get_plan(cfg.parallel.plan), cfg.parallel
+    plan, options = plan_of(cfg), cfg.parallel
     blocks = len(expand(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), plan.blocks, plan.name))
     counts = blocks_per_stage(blocks, spec.pp, options.pp_stages_per_rank, options.pp_split, empty_ends(plan.stages))
     roles: dict[tuple, list[int]] = {}
@@ -132,14 +132,14 @@ def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
     from models import build_on_meta
     from parallel.apply import apply_plan
     from parallel.mesh import build_mesh
-    from parallel.plan import get_plan
+    from parallel.plan import plan_of
 
     enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
     # A GPU job: float8 linears take the GPU's path (torch._scaled_mm, which fake tensors
     # run anywhere), not the CPU's emulation, whose dequantised copies a GPU never makes.
-    return apply_plan(model, get_plan(cfg.parallel.plan), dims, cfg.parallel, cfg.prefetch,
+    return apply_plan(model, plan_of(cfg), dims, cfg.parallel, cfg.prefetch,
                       emulate_float8=False).model, dims
 
 
@@ -241,12 +241,12 @@ def stage_role(model, pp_rank: int, observed: Observation, whole_fpt: float, cfg
     the stages the rank holds, plus the schedule's bubble and its point-to-point traffic."""
     from engine.dryrun.estimate import float8_flops_per_token, stage_flops_per_token
     from parallel.pipeline import whole_model
-    from parallel.plan import expand, get_plan
+    from parallel.plan import expand, plan_of
 
     pipeline = getattr(model, "pipeline", None)
     if pipeline is None:
-        float8 = float8_flops_per_token(model, expand(model, get_plan(cfg.parallel.plan).blocks, cfg.parallel.plan),
-                                        cfg.parallel.float8)
+        plan = plan_of(cfg)
+        float8 = float8_flops_per_token(model, expand(model, plan.blocks, plan.name), cfg.parallel.float8)
         return StageRole(0, [0], 0, observed, whole_fpt,
                          estimate_step(observed.comm, whole_fpt, cfg, spec, profile, float8_flops=float8))
     whole = whole_model(model)
