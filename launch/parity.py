@@ -35,6 +35,7 @@ from engine.parity.report import format_report
 from engine.parity.reference import Reference
 from engine.train import agree_on_ids, build_optimizer, evaluate, host_group, loss_for, rank_batch, train_step
 from launch.build import pick_device, sharded_model, single_device_model, start_process_group
+from parallel.expert import expert_paths
 from parallel.float8 import convert_to_float8, float8_linears
 from parallel.pipeline import parts_of, whole_model
 from parallel.plan import expand, plan_of
@@ -297,8 +298,9 @@ class ParityRun:
         pipeline = getattr(model, "pipeline", None)
         # A pipeline schedule needs its micro-batches; without one, step 0 runs in one pass.
         micro = cfg.training.micro_batches if pipeline is not None else 1
+        routed_in = frozenset(expert_paths(reference.compute, plan_of(cfg))) if dims.spec.ep > 1 else frozenset()
         where = RankPiece(dims.data_rank, dims.data_size, dims.tp.get_local_rank() if tp_size > 1 else 0, tp_size,
-                          dims.cp_rank, dims.cp_size, micro)
+                          dims.cp_rank, dims.cp_size, micro, routed_in)
         found = localize(model, reference, *self.batch(0), *self.global_batch(0, reference_device(reference)),
                          where, self.tolerance, self.device, pipeline.stage_of if pipeline is not None else None)
         found["compile"] = "off for the rerun" if self.cfg.parallel.compile else "off"

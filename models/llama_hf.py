@@ -68,9 +68,9 @@ def hf_tensors(fqn: str, tensor):
     return {hf_name(fqn): tensor}
 
 
-def our_tensor(fqn: str, shape: list[int], read):
-    """Our whole parameter, read by its Hugging Face key."""
-    return read(hf_name(fqn))
+def our_tensor(fqn: str, shape: list[int], read, rows: list[int] | None = None):
+    """Our parameter, read by its Hugging Face key: whole, or only `rows` along dim 0."""
+    return read(hf_name(fqn)) if rows is None else read(hf_name(fqn))[rows]
 
 
 def our_name(hf: str) -> str:

@@ -29,7 +29,7 @@ def parameter_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2**63)
 
 
-def keep_my_slice(param: torch.Tensor, full: torch.Tensor) -> None:
+def _keep_my_slice(param: torch.Tensor, full: torch.Tensor) -> None:
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank slices its own part, nothing is sent.
@@ -39,7 +39,7 @@ def keep_my_slice(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def _held_along(param: torch.Tensor, dim: int) -> torch.Tensor:
+def held_along(param: torch.Tensor, dim: int) -> torch.Tensor:
     """The global indices along `dim` of this rank's elements, in local order: an index
     probe sharded like the parameter along `dim`, and so sliced by the same rules."""
     size = param.shape[dim]
@@ -63,7 +63,7 @@ def _draw_my_part(param: torch.Tensor, distribution, key: int) -> None:
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.numel() == 0:
         return
-    held = [_held_along(param, dim) for dim in range(param.ndim)]
+    held = [held_along(param, dim) for dim in range(param.ndim)]
     rows = held[0] if held else torch.zeros(1, dtype=torch.long)
     cols = torch.zeros(1, dtype=torch.long)
     stride = matrix_shape(tuple(param.shape))[1]
@@ -111,7 +111,7 @@ def _reset_each_module(model: nn.Module, seed: int) -> None:
             torch.manual_seed(parameter_seed(seed, path))
             stand_in.reset_parameters()
         for name, param in own:
-            keep_my_slice(param, stand_in._parameters[name].detach())
+            _keep_my_slice(param, stand_in._parameters[name].detach())
             done.add(id(param))
 
 
@@ -134,7 +134,7 @@ def materialise(model: torch.nn.Module, device: torch.device | str, seed: int,
     elif callable(getattr(model, "init_value", None)):
         for fqn, param in model.named_parameters():
             generator = torch.Generator().manual_seed(parameter_seed(seed, fqn))
-            keep_my_slice(param, model.init_value(fqn, tuple(param.shape), generator))
+            _keep_my_slice(param, model.init_value(fqn, tuple(param.shape), generator))
     else:
         _reset_each_module(model, seed)
     if callable(getattr(model, "reset_buffers", None)):

@@ -53,17 +53,21 @@ def hf_tensors(fqn: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
             ((f"{prefix}experts.{j}.w1.weight", gate[j]), (f"{prefix}experts.{j}.w3.weight", up[j]))}
 
 
-def our_tensor(fqn: str, shape: list[int], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """Our whole parameter of this shape, assembled from the tensors `read` returns by key."""
+def our_tensor(fqn: str, shape: list[int], read: Callable[[str], torch.Tensor],
+               rows: list[int] | None = None) -> torch.Tensor:
+    """Our parameter of this shape, assembled from the tensors `read` returns by key: the
+    whole of it, or only `rows` (indices along dim 0: the experts a rank holds), so that a
+    rank reads and stacks its own experts only."""
     match = _OURS.fullmatch(fqn)
     if match is None or match.group(2) == "router.gate.weight":
         (key,) = hf_tensors(fqn, torch.empty(shape, device="meta"))
-        return read(key)
+        return read(key) if rows is None else read(key)[rows]
     prefix = f"model.layers.{match.group(1)}.block_sparse_moe.experts."
+    experts = range(shape[0]) if rows is None else rows
     if match.group(2) == "experts.w2":
-        return torch.stack([read(f"{prefix}{j}.w2.weight") for j in range(shape[0])])
+        return torch.stack([read(f"{prefix}{j}.w2.weight") for j in experts])
     return torch.stack([torch.cat([read(f"{prefix}{j}.w1.weight"), read(f"{prefix}{j}.w3.weight")])
-                        for j in range(shape[0])])
+                        for j in experts])
 
 
 def our_name(hf: str) -> str:

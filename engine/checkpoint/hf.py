@@ -33,7 +33,7 @@ from engine.checkpoint.store import check_keys, state_dict_shapes
 from common.errors import UserError
 from models import llama_hf, mixtral_hf
 from models.llama import Llama
-from models.materialise import keep_my_slice
+from models.materialise import held_along
 from models.moe import MoEArgs, MoELlama
 from parallel.pipeline import whole_model
 
@@ -245,7 +245,7 @@ def load_hf(model, folder: str | Path) -> None:
         _load_distributed(targets, folder)
         with _TensorReader(index) as read, torch.no_grad():
             for key in assembled:
-                keep_my_slice(state[key], mapping.our_tensor(key, list(state[key].shape), read))
+                _load_my_part(state[key], lambda rows: mapping.our_tensor(key, list(state[key].shape), read, rows))
         if args.tie_embeddings and "tok_embeddings.weight" in state and "output.weight" in state:
             # Both ends on this rank (no pp, or a V-shaped schedule's rank 0). A pipeline stage
             # that holds only one end has only that key, and the other end's copy comes from the
@@ -258,6 +258,23 @@ def load_hf(model, folder: str | Path) -> None:
                 target.copy_(read(key))
             for key in assembled:
                 state[key].copy_(mapping.our_tensor(key, list(state[key].shape), read))
+
+
+def _load_my_part(param: torch.Tensor, assemble) -> None:
+    """Copy into `param` (a DTensor shard, or a whole tensor) its part of a parameter that
+    `assemble(rows)` builds from several files: only the rows (dim 0: the experts) this rank
+    holds are read and stacked, then cut along the other dims as the shard is. A rank thus
+    reads its own experts, not a block's all (Mixtral 8x7B in bf16: 2.8 GB a block)."""
+    from torch.distributed.tensor import DTensor
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.numel() == 0:
+        return
+    held = [held_along(param, dim) for dim in range(param.ndim)]
+    part = assemble(held[0].tolist())
+    for dim in range(1, param.ndim):
+        if held[dim].numel() != param.shape[dim] or not bool((held[dim] == torch.arange(param.shape[dim])).all()):
+            part = part.index_select(dim, held[dim])
+    local.copy_(part.reshape(local.shape))
 
 
 class _TensorReader:

@@ -44,6 +44,10 @@ class RankPiece:
     cp_rank: int = 0
     cp_size: int = 1
     micro_batches: int = 1
+    # Modules fed other ranks' tokens: the experts under ep take the tokens routed to them
+    # from every rank of their ep group, so their activations have no rows to match in the
+    # reference's; their parameter gradients are still compared.
+    other_tokens: frozenset = frozenset()
 
 
 class Recorder:
@@ -182,6 +186,8 @@ def localize(model, reference, inputs, targets, global_inputs, global_targets, w
     factors = {"output": 1.0, "input gradient": 1.0 / (where.data_size * where.cp_size)}
     table = torch.full((len(names), len(KINDS), 2), -1.0, dtype=torch.float64, device=device)
     for i, name in enumerate(names):
+        if name in where.other_tokens:
+            continue
         for k, kind in enumerate(KINDS):
             diff, scale = piece_difference(theirs.values[kind].get(name, []), ours.values[kind].get(name, []),
                                            where, factors[kind])
