@@ -32,8 +32,8 @@ def _clean(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in ("_orig_mod", "_checkpoint_wrapped_module"))
 
 
-def check(model: nn.Module, moe_cfg, cp: int) -> None:
-    """Refuse balancing settings the model or mesh cannot take, before any process group."""
+def check(model: nn.Module, moe_cfg) -> None:
+    """Refuse balancing settings the model cannot take, before any process group."""
     layers = routed_layers(model)
     if not layers and (moe_cfg.load_balance or moe_cfg.bias_rate):
         raise UserError(f"moe.load_balance={moe_cfg.load_balance} and moe.bias_rate={moe_cfg.bias_rate} act on "
@@ -43,18 +43,16 @@ def check(model: nn.Module, moe_cfg, cp: int) -> None:
         raise UserError(f"moe.bias_rate={moe_cfg.bias_rate} moves a sigmoid router's bias, and this model's "
                         f"routers are softmax ones, which have none. Use moe.load_balance to balance them, "
                         f"or a flavor with the sigmoid router (model.flavor=debug-moe-sigmoid).")
-    if moe_cfg.load_balance and cp > 1:
-        raise UserError(f"moe.load_balance={moe_cfg.load_balance} with cp={cp}: the load-balancing loss is "
-                        f"taken per sequence, and each cp rank holds only chunks of each sequence, so it would "
-                        f"differ from one device's. Leave cp out of --mesh, or set moe.load_balance=0 "
-                        f"(a sigmoid router can balance with moe.bias_rate instead).")
 
 
-def configure(model: nn.Module, moe_cfg) -> None:
-    """Give the routed layers the run's load-balancing weight and bias rate (config `moe`)."""
+def configure(model: nn.Module, moe_cfg, context=None) -> None:
+    """Give the routed layers the run's load-balancing weight and bias rate (config `moe`),
+    and `context`, (cp group, cp size) where context parallelism splits each sequence, over
+    which their per-sequence load-balancing loss counts the experts' choices."""
     for _, module in routed_layers(model):
         module.load_balance = moe_cfg.load_balance
         module.bias_rate = moe_cfg.bias_rate
+        module.context = context
 
 
 def begin_step(model: nn.Module, slices: int) -> None:

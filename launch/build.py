@@ -71,7 +71,7 @@ def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_we
         from engine.checkpoint.hf import load_hf
         load_hf(model, cfg.checkpoint.hf_import)  # a collective: each rank reads its own slices
     sync_tied_weights(model)
-    routing.configure(model, cfg.moe)
+    routing.configure(model, cfg.moe, (dims.cp.get_group(), dims.spec.cp) if dims.spec.cp > 1 else None)
     return model, applied
 
 

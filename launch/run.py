@@ -135,7 +135,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     plan = plan_of(cfg)
     check_model_contract(model, cfg.model.name)
     from engine.routing import check as check_routing
-    check_routing(model, cfg.moe, spec.cp)
+    check_routing(model, cfg.moe)
     if args.dry_run or args.plan_for:
         check_simulated_model(model, cfg.model.name)
     if not (args.dry_run or args.plan_for):  # a dry run reads no data

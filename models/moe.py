@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -214,6 +215,7 @@ class MoE(nn.Module):
         # router's bias step (configure), and the parts a step's rows are split into, each
         # forward one part, whose loss weighs 1/slices (begin_step).
         self.load_balance, self.bias_rate, self.slices = 0.0, 0.0, 1
+        self.context = None  # (cp group, cp size) where context parallelism splits sequences
         self.biased = args.router == "sigmoid"  # whether bias_rate acts on its router
         # Tokens per expert, then the sums of router entropy and load-balancing loss, the
         # tokens and the sequences, added to by each forward and read by the loop.
@@ -225,11 +227,21 @@ class MoE(nn.Module):
 
     def balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Per sequence, E x sum_e f_e x P_e: probs (sequences, tokens, E), experts
-        (sequences, tokens, k) -> (sequences,). f has no gradient; P carries the router's."""
+        (sequences, tokens, k) -> (sequences,). f has no gradient; P carries the router's.
+        Under context parallelism (`context`: the cp group and its size) each rank holds
+        equal chunks of every sequence: f counts the choices of the whole sequence (summed
+        over the cp ranks), and each rank's P is the mean over its own tokens. The loss is
+        linear in P, so the cp ranks' values average to the sequence's, and so do their
+        gradients once FSDP averages them over cp."""
         sequences, tokens, n_experts = probs.shape
         chosen = experts.reshape(sequences, -1)
-        share = torch.zeros(sequences, n_experts, device=probs.device).scatter_add_(
-            1, chosen, torch.ones(chosen.shape, device=probs.device)) / chosen.shape[1]
+        counts = torch.zeros(sequences, n_experts, device=probs.device).scatter_add_(
+            1, chosen, torch.ones(chosen.shape, device=probs.device))
+        parts = 1
+        if self.context is not None:
+            group, parts = self.context
+            dist.all_reduce(counts, group=group)
+        share = counts / (chosen.shape[1] * parts)
         return n_experts * (share * probs.mean(dim=1)).sum(dim=-1)
 
     @torch.no_grad()

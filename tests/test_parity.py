@@ -53,6 +53,10 @@ MATRIX = {
                                            "parallel.plan=llama_moe", "parallel.pp_schedule=Interleaved1F1B",
                                            "parallel.pp_stages_per_rank=2", "training.micro_batches=4",
                                            "moe.load_balance=0.01", "moe.bias_rate=0.01")),
+    # The load-balancing loss per sequence where cp splits sequences: the experts' choices
+    # counted over the cp ranks (models/moe.py: balance_loss), with tp + SP and 2 micro-batches.
+    "moe-balanced-cp": ("cp=2,tp=2", (*MOE_SHALLOW, "moe.load_balance=0.01", "parallel.sequence_parallel=true",
+                                      "training.micro_batches=2")),
     "moe-ep4-compiled": ("dp=4,ep=4", (*MOE_SHALLOW, "parallel.compile=true", "parallel.activation_checkpoint=selective",
                                        "parallel.param_dtype=bfloat16")),
 }
