@@ -272,7 +272,7 @@ def _load_my_part(param: torch.Tensor, assemble) -> None:
     held = [held_along(param, dim) for dim in range(param.ndim)]
     part = assemble(held[0].tolist())
     for dim in range(1, param.ndim):
-        if held[dim].numel() != param.shape[dim] or not bool((held[dim] == torch.arange(param.shape[dim])).all()):
+        if not torch.equal(held[dim], torch.arange(param.shape[dim])):  # this dim is sharded
             part = part.index_select(dim, held[dim])
     local.copy_(part.reshape(local.shape))
 
