@@ -2,7 +2,7 @@
 # Both create .venv on first use and install only what is missing.
 # `make test-matrix` runs the combination matrix (every pair of settings' values, each row a --parity run).
 # `make test-slow` runs the long drills the main suite leaves out (multi-node faults, planner searches).
-# `make test-docs` runs every command the README and docs/ show, as typed.
+# `make test-docs` runs every command the README and docs/ show, as typed (in two lanes).
 # `make test-compat TORCH_SPEC=torch==2.11.0` runs the parity and combination subset
 # on another torch, in an environment of its own (see README, "Torch versions").
 
@@ -51,8 +51,19 @@ test-matrix: env
 test-slow: env
 	$(PY) -m pytest -q -m slow tests $(ARGS)
 
+# Two lanes side by side, each in its own scratch checkout: the documents of DOCS_LANE
+# in one, the rest in the other (a block uses only what earlier blocks of its own
+# document made). Most blocks run one process, so two lanes keep both cores busy.
+# The second lane prints as it goes, the first when it is done.
+DOCS_LANE := planning or parallelism
 test-docs: env
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)
+	@log=$$(mktemp); \
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" $(ARGS) > $$log 2>&1 & lane=$$!; \
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "not ($(DOCS_LANE))" $(ARGS); rest=$$?; \
+	wait $$lane; first=$$?; \
+	echo "== $(DOCS_LANE) (the first lane)"; cat $$log; rm -f $$log; \
+	for code in $$first $$rest; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done; \
+	[ $$first -eq 0 ] || [ $$rest -eq 0 ] || { echo "no documented command selected"; exit 5; }
 
 compat-env: $(COMPAT_VENV)/.ready
 

@@ -394,8 +394,9 @@ def test_the_torch_internals_the_dry_run_uses_are_checked_up_front(monkeypatch, 
 def test_the_search_leaves_out_only_layouts_that_need_more_memory_than_one_that_did_not_fit():
     """first_fit with reshard settings least memory first (no process group: a made-up
     peak that grows as reshard keeps more gathered and AC saves more): every ladder's first
-    fit is the one simulating every layout finds, and with fewer simulations."""
-    from engine.dryrun.search import Outcome, first_fit, ladders, reshard_options
+    fit is the one simulating every layout finds, and with fewer simulations: none twice,
+    and none whose AC mode and micro-batch count did not fit with an earlier reshard setting."""
+    from engine.dryrun.search import Outcome, first_fit, ladders, memory_key, reshard_options
     from parallel.mesh import MeshSpec
 
     spec = MeshSpec(dp=16, tp=2)
@@ -407,11 +408,14 @@ def test_the_search_leaves_out_only_layouts_that_need_more_memory_than_one_that_
         return 5 * saved[ac] // layout.micro_batches + 3 * kept[layout.reshard]
 
     for usable in range(4, 52):
-        simulated = []
+        simulated, did_not_fit = [], set()
 
         def evaluate(layout):
+            assert layout not in simulated and memory_key(layout) not in did_not_fit, (usable, layout)
             simulated.append(layout)
             fits = peak(layout) <= usable
+            if not fits:
+                did_not_fit.add(memory_key(layout))
             return Outcome(layout, peak(layout), object() if fits else None)
 
         beyond, searched, every = {}, [], []

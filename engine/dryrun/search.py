@@ -26,10 +26,11 @@ What is searched, and why not more:
   then micro-batches 1, 2, 4, 8: for each mesh and reshard setting the search stops at
   the first that fits, since the later ones recompute or re-gather more and are never
   faster in the step model.
-  After the first, each micro-batch count is tried with full AC before the others, as
-  that needs least memory at that count: when it does not fit, the count's other layouts
-  are not simulated, with this reshard setting nor with the later ones, which keep more
-  gathered (first_fit);
+  A layout that did not fit ends the same AC mode and micro-batch count with the later
+  reshard settings, which keep more gathered; and once a count has a layout that did
+  not fit, it is tried with full AC, which needs least memory at that count, before its
+  other layouts: when that does not fit either, the count's other layouts are not
+  simulated (first_fit);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -497,37 +498,43 @@ def ladders(spec: MeshSpec, reshard: str, sequence_parallel: bool, rows: int,
             for schedule, per_rank in schedules]
 
 
-def first_fit(ladder: list[Layout], evaluate, beyond: dict[int, Outcome]) -> list[Outcome]:
-    """The outcomes of the ladder's layouts up to the first that fits, in order. After the
-    first, a layout is simulated only when its micro-batch count fits with full AC, which
-    needs least memory at that count: that layout is simulated first, and when it does not
-    fit (its outcome says so), the count's other layouts are left out. (Not across counts:
-    without pp, more micro-batches hold the whole model's unreduced gradients.)
+def memory_key(layout: Layout) -> tuple[str, bool, int]:
+    """What sets a layout's memory within one mesh and schedule, besides its reshard setting."""
+    return layout.activation_checkpoint, layout.recompute_cheap, layout.micro_batches
 
-    `beyond`: micro-batches -> the outcome of a full-AC layout that did not fit with a
-    reshard setting needing no more memory than this ladder's (reshard_options' order);
-    those counts' layouts are left out from the first, and this ladder's full-AC layouts
-    that do not fit are added."""
-    outcomes, full_ac = [], {}  # micro-batches -> the outcome of its full-AC layout
+
+def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome]) -> list[Outcome]:
+    """The outcomes of the ladder's layouts up to the first that fits, in order, without
+    simulating those that cannot fit:
+    - a layout whose AC mode and micro-batch count (memory_key) did not fit with a reshard
+      setting needing no more memory than this ladder's: `beyond` maps each such key to
+      its outcome, filled ladder by ladder in reshard_options' order;
+    - every layout of a micro-batch count at which full AC, which needs least memory at
+      that count, does not fit. Before a second layout of a count is simulated (one has
+      not fit, with this reshard setting or an earlier one), full AC at that count is,
+      out of the ladder's order; when it does not fit, the count is done with, with this
+      reshard setting and the later ones, and when it fits it is reported only where the
+      ladder reaches it. (Not across counts: without pp, more micro-batches hold the
+      whole model's unreduced gradients.)"""
+    outcomes, probed = [], {}  # memory_key of a full-AC layout simulated ahead -> its outcome
     for layout in ladder:
-        count = layout.micro_batches
-        if count in beyond:
+        key = memory_key(layout)
+        full = ("full", False, layout.micro_batches)
+        if key in beyond or full in beyond:
             continue
-        least = next((other for other in ladder if other.micro_batches == count
-                      and other.activation_checkpoint == "full"), None)
-        if outcomes and least is not None and count not in full_ac:
-            full_ac[count] = evaluate(least)
-            if full_ac[count].estimate is None:
-                outcomes.append(full_ac[count])
-                beyond[count] = full_ac[count]
-        known = full_ac.get(count)
-        if known is not None and known.estimate is None:
-            continue
-        outcomes.append(known if layout is least and known is not None else evaluate(layout))
-        if outcomes[-1].estimate is not None:
+        least = next((other for other in ladder if memory_key(other) == full), None)
+        failed_at_count = any(micro == layout.micro_batches for _, _, micro in beyond)
+        if least is not None and least is not layout and full not in probed and failed_at_count:
+            probed[full] = evaluate(least)
+            if probed[full].estimate is None:
+                outcomes.append(probed[full])
+                beyond[full] = probed[full]
+                continue
+        outcome = probed.get(key) or evaluate(layout)
+        outcomes.append(outcome)
+        if outcome.estimate is not None:
             return outcomes
-        if layout is least:
-            beyond[count] = outcomes[-1]
+        beyond[key] = outcome
     return outcomes
 
 
