@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,14 @@ def cpu_env(**extra: str) -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+def free_port() -> int:
+    """A port for a torchrun of the user's own kind (static rendezvous): its default, 29500,
+    may be held by another job on this machine (a second suite, the user's own run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300,

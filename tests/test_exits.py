@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.distributed import REPO, cpu_env, launcher
+from tests.distributed import REPO, cpu_env, free_port, launcher
 
 CRASHING = ("--set", "model.plugin=tests.crashing_model", "--set", "model.name=crashing")
 
@@ -27,6 +27,7 @@ def test_user_torchrun_reports_our_paragraph_as_the_root_cause():
     """Rank 1 may exit first and torchrun may stop rank 0 before it prints: the paragraph
     still reaches the summary, through the error file every rank writes."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()),
                              str(REPO / "launch" / "run.py"), "--mesh", "dp=3,tp=2"],
                             cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
@@ -38,6 +39,7 @@ def test_user_torchrun_reports_our_paragraph_as_the_root_cause():
 @pytest.mark.distributed
 def test_user_torchrun_reports_a_crash_with_its_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()),
                              str(REPO / "launch" / "run.py"), "--mesh", "dp=2", *CRASHING,
                              "--set", f"run.dir={tmp_path}"],
                             cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)

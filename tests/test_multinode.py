@@ -4,7 +4,6 @@
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -12,17 +11,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tests.distributed import REPO, cpu_env, launcher
+from tests.distributed import REPO, cpu_env, free_port, launcher
 from tests.test_checkpoint import assert_bitwise_equal
 from tests.test_cli import losses
 
 MESH = "hsdp=2,dp=2,tp=2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_nodes(tmp_path, script, *args, max_restarts: int = 0) -> list[subprocess.Popen]:
