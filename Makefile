@@ -53,12 +53,10 @@ test-slow: env
 
 # Two lanes side by side, each in its own scratch checkout: the documents of DOCS_LANE
 # in one, the rest in the other (a block uses only what earlier blocks of its own
-# document made). Most blocks run one process, so two lanes keep both cores busy. The
-# documents whose blocks start torchrun on its default port share a lane; the split
-# evens the lanes' times (14 and 11 min with planning and parallelism in one lane).
+# document made). Most blocks run one process, so two lanes keep both cores busy.
 # The second lane prints as it goes, the first when it is done. With ARGS (a -k of your
 # own, say) one pytest runs what they select, as lanes would both run it.
-DOCS_LANE := README or parity or parallelism
+DOCS_LANE := planning or parallelism
 test-docs: env
 ifneq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)

@@ -149,7 +149,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         check_hf_export(model, cfg.checkpoint.hf_export)
     if spec.ep > 1:
         from parallel.expert import check_expert_parallel
-        check_expert_parallel(model, plan, spec.ep, spec.dp, cfg.parallel.compile,
+        check_expert_parallel(model, plan, spec.ep, spec.dp,
                               resolve_reshard(cfg.parallel.reshard_after_forward, spec))
     if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,

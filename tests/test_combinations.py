@@ -12,9 +12,8 @@ The rows of one world size run one after another in one torchrun job
 a row that job did not finish runs alone through the launcher. The compiled rows run in
 jobs of their own, on a compile cache of their own, and then again on the cache that
 first run filled, as a user's second run does. On torch before 2.13,
-the ZBVZeroBubble rows (parallel/pipeline.py: runs_on_backend) and the compiled rows with
-ep (parallel/expert.py: compiles_correctly) must be refused instead, so there the pairs
-only they hold are checked on the newer versions alone.
+the ZBVZeroBubble rows (parallel/pipeline.py: runs_on_backend) must be refused instead, so
+there the pairs only they hold are checked on the newer versions alone.
 
 Every row runs on the pinned torch (`make test-matrix`). The other versions (`make test-compat`)
 run the rows of VALUE_ROWS, in which every value of every setting appears once or more
@@ -27,7 +26,6 @@ import pytest
 
 from tests.combinations import (FACTORS, MESHES, PIPELINE_MESHES, ROWS, SPLITS, STEPS, VALUE_ROWS, ZERO_BUBBLE, _pairs,
                                 all_pairs, allowed, hf_folder, layers_of, mesh_of, overrides, stages_per_rank)
-from parallel.expert import compiles_correctly
 from parallel.mesh import parse_mesh
 from parallel.pipeline import runs_on_backend
 from tests.distributed import launcher, parity_arguments, parity_report, run_together, selected
@@ -218,8 +216,6 @@ def refusal(row: dict) -> str | None:
     """What the engine says when it refuses the row on this torch, or None where it runs."""
     if not runs_on_backend(row["pipeline"], "gloo"):
         return "cannot run over gloo"
-    if row["experts"] == "moe-ep" and row["compile"] and not compiles_correctly():
-        return "Use torch 2.13 or later"
     return None
 
 

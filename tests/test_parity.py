@@ -22,8 +22,7 @@ import fnmatch
 
 import pytest
 
-from parallel.expert import compiles_correctly
-from tests.distributed import launcher, parity_report, run_together, selected
+from tests.distributed import parity_report, run_together, selected
 
 MOE_SHALLOW = ("model.name=llama_moe", "model.flavor=debug-moe", "parallel.plan=llama_moe", "parity.layers=2")
 GPT2 = ("model.name=gpt2", "parallel.plan=gpt2", "model.plugin=examples.gpt2_plan")
@@ -65,9 +64,7 @@ MATRIX = {
 @pytest.fixture(scope="session")
 def reports(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("parity")
-    refused = () if compiles_correctly() else ("moe-ep4-compiled",)
-    run_together(root, [(*MATRIX[case], 3) for case in selected(request.session, __name__, "case")
-                        if case in MATRIX and case not in refused])
+    run_together(root, [(*MATRIX[case], 3) for case in selected(request.session, __name__, "case") if case in MATRIX])
 
     def get(case: str, *extra: str):
         mesh, overrides = MATRIX[case] if case in MATRIX else (case, ())
@@ -101,12 +98,6 @@ def assert_within_promised_tolerances(report: dict, steps: int = 3) -> None:
 @pytest.mark.parametrize("case", list(MATRIX))
 @pytest.mark.compat
 def test_parity_command_passes_the_matrix(reports, case, tmp_path):
-    if case == "moe-ep4-compiled" and not compiles_correctly():  # torch before 2.13: refused (parallel/expert.py)
-        mesh, overrides = MATRIX[case]
-        result = launcher("--parity", "--mesh", mesh, "--set", f"run.dir={tmp_path}",
-                          *(arg for value in overrides for arg in ("--set", value)))
-        assert result.returncode == 2 and "Use torch 2.13 or later" in result.stderr, result.stderr[-3000:]
-        return
     report, code = reports(case)
     assert (code, report["verdict"]) == (0, "PASS"), [c for c in report["checks"] if not c["ok"]]
     assert_within_promised_tolerances(report)
