@@ -2,7 +2,8 @@
 
 For each dp size, one process plays rank 0 of a fake world of that size (torch's fake
 process group: materialising sends nothing, so one rank's work is measured alone),
-applies the plan to the model on meta and times `materialise`, one thread. Two ways:
+applies the plan to the model on meta and times `materialise`, with --threads intra-op
+threads (default one; the shard way draws its tiles side by side on them). Two ways:
 
 - shard: the model's init_distribution, each rank drawing only its own shard;
 - whole: the same model with an init_value that draws each whole parameter with
@@ -48,7 +49,7 @@ def whole_draws(model) -> None:
     model.init_value = init_value
 
 
-def one_rank(flavor: str, dp: int, way: str) -> dict:
+def one_rank(flavor: str, dp: int, way: str, threads: int) -> dict:
     import torch
 
     from common.config import load_config
@@ -56,7 +57,7 @@ def one_rank(flavor: str, dp: int, way: str) -> dict:
     from models.materialise import materialise
     from parallel.mesh import MeshSpec
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     cfg = load_config(REPO / "configs" / "debug.yaml", [f"model.flavor={flavor}"])
     model, _ = _rank_model(cfg, MeshSpec(1, dp, 1), dp, 0)
     if way == "whole":
@@ -72,20 +73,22 @@ def main() -> None:
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--one", nargs=3, metavar=("FLAVOR", "DP", "WAY"), help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--one", nargs=4, metavar=("FLAVOR", "DP", "WAY", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_rank(args.one[0], int(args.one[1]), args.one[2])))
+        print(json.dumps(one_rank(args.one[0], int(args.one[1]), args.one[2], int(args.one[3]))))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     runs = {}
     for repeat in range(args.repeats):
         order = [(way, dp) for dp in args.dp for way in ("shard", "whole")]
         for way, dp in order if repeat % 2 == 0 else reversed(order):
-            out = subprocess.run([sys.executable, __file__, "--one", args.flavor, str(dp), way], env=env,
-                                 capture_output=True, text=True, check=True).stdout
+            command = [sys.executable, __file__, "--one", args.flavor, str(dp), way, str(args.threads)]
+            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
             runs.setdefault((way, dp), []).append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{args.flavor}: materialise on rank 0, one thread, median of {args.repeats} (wall seconds)")
+    threads = "one thread" if args.threads == 1 else f"{args.threads} threads"
+    print(f"{args.flavor}: materialise on rank 0, {threads}, median of {args.repeats} (wall seconds)")
     print("| dp | values on the rank | shard: wall s | shard: user CPU s | shard: CPU / dp=1 | whole: wall s "
           "| whole: user CPU s | whole: CPU / dp=1 |")
     print("|---|---|---|---|---|---|---|---|")

@@ -14,6 +14,7 @@ The streams are numpy's Philox, whose key is 128 bits: torch's CPU generator use
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,9 +57,11 @@ def tile_shape(rows: int, cols: int) -> tuple[int, int]:
 
 
 def draw_block(distribution, key: int, shape: tuple[int, ...], row_range: tuple[int, int],
-               col_range: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
+               col_range: tuple[int, int], out: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """The float32 values at rows [r0, r1) and columns [c0, c1) of the parameter's matrix,
-    written into `out` (float32, that shape) when given."""
+    written into `out` (float32, that shape) when given. `threads` (default torch's intra-op
+    thread count, which torchrun sets to 1 per rank) draw tiles side by side: each tile has
+    its own stream, and numpy fills and scales a tile without holding the GIL."""
     (r0, r1), (c0, c1) = row_range, col_range
     block = np.empty((r1 - r0, c1 - c0), dtype=np.float32) if out is None else out
     if isinstance(distribution, Constant):
@@ -67,17 +70,27 @@ def draw_block(distribution, key: int, shape: tuple[int, ...], row_range: tuple[
     rows, cols = matrix_shape(shape)
     tile_rows, tile_cols = tile_shape(rows, cols)
     tiles_per_row = -(-cols // tile_cols)
-    scratch = np.empty(tile_rows * tile_cols, dtype=np.float32)
     std = np.float32(distribution.std)
-    for i in range(r0 // tile_rows, -(-r1 // tile_rows)):
-        top, bottom = i * tile_rows, min((i + 1) * tile_rows, rows)
-        for j in range(c0 // tile_cols, -(-c1 // tile_cols)):
+
+    def draw_tiles(tiles: list[tuple[int, int]]) -> None:
+        scratch = np.empty(tile_rows * tile_cols, dtype=np.float32)
+        for i, j in tiles:
+            top, bottom = i * tile_rows, min((i + 1) * tile_rows, rows)
             left, right = j * tile_cols, min((j + 1) * tile_cols, cols)
             tile = scratch[:(bottom - top) * (right - left)].reshape(bottom - top, right - left)
             stream = np.random.Generator(np.random.Philox(key=(key << 64) | (i * tiles_per_row + j)))
             stream.standard_normal(tile.shape, dtype=np.float32, out=tile)
             a, b, c, d = max(r0, top), min(r1, bottom), max(c0, left), min(c1, right)
             np.multiply(tile[a - top:b - top, c - left:d - left], std, out=block[a - r0:b - r0, c - c0:d - c0])
+
+    tiles = [(i, j) for i in range(r0 // tile_rows, -(-r1 // tile_rows))
+             for j in range(c0 // tile_cols, -(-c1 // tile_cols))]
+    workers = min(threads or torch.get_num_threads(), len(tiles))
+    if workers <= 1:
+        draw_tiles(tiles)
+    else:  # a strided share of the tiles each: disjoint parts of `block`
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(draw_tiles, [tiles[k::workers] for k in range(workers)]))
     if distribution.mean:
         block += np.float32(distribution.mean)
     return block

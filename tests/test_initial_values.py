@@ -1,7 +1,7 @@
 """Shard-proportional initialisation (models/initial_values.py, models/materialise.py).
 
-- Any block of a parameter, drawn alone, is bitwise the same block of the whole draw
-  (hypothesis, over shapes, regions and tile sizes); a rank draws only the tiles its
+- Any block of a parameter, drawn alone, by one thread or several, is bitwise the same
+  block of the whole draw (hypothesis, over shapes, regions and tile sizes); a rank draws only the tiles its
   block touches, counted by the random streams it opens.
 - The distributions hold their parameters, and tiles are independent streams.
 - Real runs (torchrun, 4 ranks, gloo; tests/init_worker.py): on every layout, the full
@@ -27,9 +27,9 @@ from models.initial_values import Constant, Normal, draw_block, matrix_shape, pa
 from tests.distributed import REPO, torchrun
 
 
-def whole(distribution, key, shape):
+def whole(distribution, key, shape, threads=1):
     rows, cols = matrix_shape(shape)
-    return draw_block(distribution, key, shape, (0, rows), (0, cols))
+    return draw_block(distribution, key, shape, (0, rows), (0, cols), threads=threads)
 
 
 @st.composite
@@ -43,15 +43,18 @@ def shapes_and_regions(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(case=shapes_and_regions(), tile_elements=st.sampled_from([1, 7, 64, 1 << 16]),
-       tile_columns=st.sampled_from([1, 5, 16, 2048]), std=st.floats(0.001, 3.0), mean=st.sampled_from([0.0, -0.5]))
-def test_a_block_drawn_alone_is_that_block_of_the_whole(case, tile_elements, tile_columns, std, mean):
+       tile_columns=st.sampled_from([1, 5, 16, 2048]), std=st.floats(0.001, 3.0), mean=st.sampled_from([0.0, -0.5]),
+       threads=st.sampled_from([1, 3]))
+def test_a_block_drawn_alone_is_that_block_of_the_whole(case, tile_elements, tile_columns, std, mean, threads):
+    """By one thread or several (each a share of the block's tiles), against a
+    whole draw by one."""
     shape, (r0, r1), (c0, c1) = case
     distribution = Normal(std, mean)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(initial_values, "TILE_ELEMENTS", tile_elements)
         patch.setattr(initial_values, "TILE_COLUMNS", tile_columns)
         full = whole(distribution, 99, shape)
-        block = draw_block(distribution, 99, shape, (r0, r1), (c0, c1))
+        block = draw_block(distribution, 99, shape, (r0, r1), (c0, c1), threads=threads)
     assert np.array_equal(block, full[r0:r1, c0:c1])
 
 
