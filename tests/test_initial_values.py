@@ -1,8 +1,8 @@
 """Shard-proportional initialisation (models/initial_values.py, models/materialise.py).
 
 - Any block of a parameter, drawn alone, by one thread or several, is bitwise the same
-  block of the whole draw (hypothesis, over shapes, regions and tile sizes); a rank draws only the tiles its
-  block touches, counted by the random streams it opens.
+  block of the whole draw (hypothesis, over shapes, regions and tile sizes); a rank
+  draws only the tiles its block touches, counted by the random streams it opens.
 - The distributions hold their parameters, and tiles are independent streams.
 - Real runs (torchrun, 4 ranks, gloo; tests/init_worker.py): on every layout, the full
   weights gathered from the shards equal the one-process model's bitwise, with uneven

@@ -97,7 +97,7 @@ def assert_within_promised_tolerances(report: dict, steps: int = 3) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(MATRIX))
 @pytest.mark.compat
-def test_parity_command_passes_the_matrix(reports, case, tmp_path):
+def test_parity_command_passes_the_matrix(reports, case):
     report, code = reports(case)
     assert (code, report["verdict"]) == (0, "PASS"), [c for c in report["checks"] if not c["ok"]]
     assert_within_promised_tolerances(report)
