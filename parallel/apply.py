@@ -12,7 +12,8 @@
 4. fully_shard on every block (with the reshard-after-forward setting); with ep > 1 each
    block's experts first, over the expert-dp ranks (where there is more than one, or
    offload: shard_experts),
-5. fully_shard on the root, which takes the remaining parameters,
+5. fully_shard on the root, which takes the remaining parameters; every unit sharded
+   over one rank reduces its gradients in place (parallel/fsdp_internals.py),
 6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
 
 AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
@@ -41,7 +42,7 @@ from parallel.pipeline import ZERO_BUBBLE, build_pipeline, join_parts, split_int
 from parallel.plan import Plan, expand
 from parallel.prefetch import apply_prefetch, prefetch_order
 from parallel.validate import validate_plan
-from parallel.fsdp_internals import install_post_forward_mesh
+from parallel.fsdp_internals import install_post_forward_mesh, reduce_in_place, reduces_in_place
 from parallel.reshard import build_post_forward_mesh, needs_own_post_forward_mesh, resolve_reshard
 
 # Op-level selective AC keeps the results of these (the expensive ones) and recomputes the rest.
@@ -295,24 +296,36 @@ def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,
-               reshard: bool | int, post_forward_mesh=None, expert_modules: list[nn.Module] = ()) -> None:
+               reshard: bool | int, post_forward_mesh=None, expert_modules: list[nn.Module] = ()) -> int:
     """`post_forward_mesh`: the engine's own, for an integer reshard that fully_shard cannot
     apply by itself (parallel/reshard.py). `expert_modules`: split over ep, sharded over
     their own mesh (an integer reshard is refused with ep up front), or left out of FSDP
-    where shard_experts says so."""
+    where shard_experts says so. Returns how many units reduce their gradients in place."""
     policies = fsdp_policies(options, dims.device_type)
     sharded = shard_experts(dims, options)
     left_out = set() if sharded else {param for module in expert_modules for param in module.parameters()}
+    units = []
     for block in blocks:
         inside = {id(module) for module in block.modules()}
         for experts in (module for module in expert_modules if id(module) in inside and sharded):
             fully_shard(experts, mesh=dims.expert_fsdp, reshard_after_forward=reshard, **policies)
+            units.append((experts, dims.expert_fsdp))
         fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
                     ignored_params=left_out, **policies)
+        units.append((block, dims.fsdp))
         if post_forward_mesh is not None:
             install_post_forward_mesh(block, post_forward_mesh)
     fully_shard(model, mesh=dims.fsdp, reshard_after_forward=options.root_reshard_after_forward,
                 ignored_params=left_out, **policies)
+    units.append((model, dims.fsdp))
+    # Sharded over one rank (its last mesh dimension; hsdp replicas all-reduce as before),
+    # FSDP's reduce is a copy of every gradient: make it none (parallel/fsdp_internals.py).
+    one_rank = [unit for unit, mesh in units if mesh.size(-1) == 1]
+    if one_rank and reduces_in_place():
+        for unit in one_rank:
+            reduce_in_place(unit)
+        return len(one_rank)
+    return 0
 
 
 @dataclass
@@ -332,6 +345,7 @@ class AppliedPlan:
     float8: list[str] = field(default_factory=list)  # linears that compute in float8
     experts: list[str] = field(default_factory=list)  # experts modules split over ep
     experts_sharded: bool = False  # whether FSDP shards them too (shard_experts)
+    reduced_in_place: int = 0  # FSDP units sharded over one rank whose reduce copies nothing
     block_reshard: bool | int = True
     stages: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
 
@@ -362,8 +376,8 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
     if options.compile:
         apply_compile(model, blocks, list(tp_styles), paths, dims)
         applied.compiled += paths
-    apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh,
-               [model.get_submodule(path) for path in expert_paths])
+    applied.reduced_in_place += apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh,
+                                           [model.get_submodule(path) for path in expert_paths])
     if prefetch is not None:
         apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
 

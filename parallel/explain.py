@@ -79,6 +79,9 @@ def explain(model: nn.Module, applied: AppliedPlan) -> str:
                  f"({100 * total_local / max(1, total_full):.1f}%); mixed precision "
                  f"{options.param_dtype}/{options.reduce_dtype}, offload {options.offload}, "
                  f"sequence parallel {options.sequence_parallel}, loss parallel {options.loss_parallel}")
+    if applied.reduced_in_place:
+        lines.append(f"gradients reduced in place on {applied.reduced_in_place} FSDP units (sharded over one "
+                     f"rank, their reduce would only copy)")
     if applied.experts:
         lines.append(f"experts split over ep on {len(applied.experts)} modules (all_to_all_single dispatch), "
                      + ("sharded over expert-dp" if applied.experts_sharded else

@@ -1,8 +1,10 @@
-"""The one place the engine reaches into FSDP2's private internals: installing its own
-post-forward mesh for integer `reshard_after_forward` with tensor or pipeline parallel
-(parallel/reshard.py says why fully_shard cannot do that by itself).
+"""The one place the engine reaches into FSDP2's private internals, for two things:
 
-What it touches, the same on torch 2.11 to 2.15 except where noted:
+1. installing its own post-forward mesh for integer `reshard_after_forward` with tensor
+   or pipeline parallel (parallel/reshard.py says why fully_shard cannot do that by itself);
+2. gradients reduced in place where FSDP shards over one rank (`reduce_in_place`).
+
+What 1 touches, the same on torch 2.11 to 2.15 except where noted:
 
 - FSDPState's parameter groups: `_fsdp_param_groups` (a list; 2.13 and later) or
   `_fsdp_param_group` (one group; 2.11 and 2.12);
@@ -15,11 +17,20 @@ What it touches, the same on torch 2.11 to 2.15 except where noted:
 `check_supported` looks for all of it before any process group starts, so a torch
 without it is refused with a message instead of failing mid-step;
 tests/test_fsdp_internals.py runs it on every torch the compat run covers.
+
+What 2 relies on: the public `FSDPModule.set_custom_reduce_scatter`, the private
+`ReduceScatter` it takes, and the way `foreach_reduce` uses it (one buffer allocated for
+the reduce-scatter's input, then one for its output; over one rank no collective, only
+`reduce_output.copy_(reduce_scatter_input)`). `reduces_in_place` reads that from
+foreach_reduce's source; where it does not find it, FSDP keeps its own copy.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import re
 
 import torch
 from torch import nn
@@ -134,3 +145,61 @@ def install_post_forward_mesh(module: nn.Module, post_mesh: DeviceMesh) -> None:
                 base = type(fsdp_param)
                 fsdp_param.__class__ = _CLASSES.setdefault(base, _tp_aware_param_class(base))
                 fsdp_param._post_forward_world_mesh = post_mesh
+
+
+@functools.cache
+def reduces_in_place() -> bool:
+    """Whether this torch's foreach_reduce works as OneRankReduceInPlace expects (above)."""
+    collectives = _find(f"{_FSDP}._fsdp_collectives")
+    if _find(f"{_FSDP}._fsdp_api.ReduceScatter") is None or collectives is None:
+        return False
+    try:
+        source = inspect.getsource(collectives.foreach_reduce)
+    except (AttributeError, OSError, TypeError):
+        return False
+    allocations = re.findall(r"(\w+) = reduce_scatter_comm\.allocate\(", source)
+    return (allocations == ["reduce_scatter_input", "reduce_output"]
+            and "reduce_output.copy_(reduce_scatter_input)" in source)
+
+
+@functools.cache
+def _one_rank_reduce_class():
+    base = _find(f"{_FSDP}._fsdp_api.ReduceScatter")
+
+    class OneRankReduceInPlace(base):
+        """FSDP's reduce over a one-rank group is a copy of the gradient buffer it fills
+        into a second buffer that becomes the sharded gradients (the whole buffer, every
+        backward: 28 ms of a 441 ms step of four 4096-wide fp32 linears on CPU). Handing
+        the first buffer back as the second makes that copy one of a tensor onto itself,
+        which torch skips; the values are the same, and the second buffer is never
+        allocated."""
+
+        def __init__(self) -> None:
+            self.input_buffer = None
+            self.aliased = 0  # for tests: reduces that skipped the copy
+
+        def allocate(self, size, *, dtype, device) -> torch.Tensor:
+            # Calls come in pairs within one foreach_reduce, the reduce's input then its
+            # output (reduces_in_place checks); between the two FSDP only copies the
+            # gradients in, so a pair is not split short of a crash of the step.
+            if self.input_buffer is None:
+                self.input_buffer = torch.empty(size, dtype=dtype, device=device)
+                return self.input_buffer
+            buffer, self.input_buffer = self.input_buffer, None
+            if tuple(buffer.shape) == tuple(size) and buffer.dtype == dtype:
+                self.aliased += 1
+                return buffer
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            raise AssertionError(f"a reduce-scatter over {group.size()} ranks reached the one-rank reduce")
+
+    return OneRankReduceInPlace
+
+
+def reduce_in_place(module: nn.Module) -> object:
+    """Install the in-place reduce on the FSDP unit `module`, whose reduce-scatter group is
+    one rank (the caller checks that, and reduces_in_place()); returns the comm."""
+    comm = _one_rank_reduce_class()()
+    module.set_custom_reduce_scatter(comm)
+    return comm
