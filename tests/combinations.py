@@ -217,6 +217,10 @@ def layers_of(row: dict) -> int:
     return SPLITS[row["pp_split"]][stages_per_rank(row)][1] if row["pp_split"] != "even" else PIPELINE_LAYERS
 
 
+def hf_folder_name(row: dict) -> str:
+    return f"{row['weights']}-{'mixtral' if row['experts'] != 'dense' else 'llama'}-{layers_of(row)}"
+
+
 def hf_folder(root, row: dict):
     """The Hugging Face folder a row with imported weights starts from, under `root`:
     a LlamaForCausalLM of the debug flavor's shapes (a MixtralForCausalLM of
@@ -224,7 +228,7 @@ def hf_folder(root, row: dict):
     3.1's rope scaling, at the row's depth, written by transformers once."""
     from pathlib import Path
     mixtral = row["experts"] != "dense"
-    folder = Path(root) / f"{row['weights']}-{'mixtral' if mixtral else 'llama'}-{layers_of(row)}"
+    folder = Path(root) / hf_folder_name(row)
     if not (folder / "config.json").is_file():
         import torch
         import transformers
@@ -247,7 +251,8 @@ def hf_folder(root, row: dict):
 
 def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
     """The row as `--set` values for `launch/run.py --parity`; a row with imported weights
-    reads them from its folder under `hf_root` (hf_folder)."""
+    reads them from its folder under `hf_root` (hf_folder), written there if it is not yet;
+    without `hf_root`, the folder is named under HF_ROOT and not written (for printing)."""
     lower = {True: "true", False: "false"}
     deep = layers_of(row) > DEBUG_LAYERS
     parallel = ("sequence_parallel", "loss_parallel", "activation_checkpoint", "compile",
@@ -265,7 +270,8 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
             f"optim.name={row['optimizer']}", f"parity.layers={layers_of(row)}",
             *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()),
             *(MOE if row["experts"] != "dense" else ()),
-            *((f"checkpoint.hf_import={hf_folder(hf_root, row)}",) if row["weights"] != "seed" else
+            *((f"checkpoint.hf_import={hf_folder(hf_root, row) if hf_root else 'HF_ROOT/' + hf_folder_name(row)}",)
+              if row["weights"] != "seed" else
               (f"model.flavor=debug-moe{'-deep' * deep}",) if row["experts"] != "dense" else
               ("model.flavor=debug-deep",) if deep else ()))
 
@@ -308,5 +314,5 @@ if __name__ == "__main__":
                   f"{sum(_ranks(r) for r in rows)} ranks in all", flush=True)
         sys.exit()
     for index, row in enumerate(ROWS):
-        args = " ".join(f"--set {o}" for o in overrides(row, "HF_ROOT"))
+        args = " ".join(f"--set {o}" for o in overrides(row))
         print(f"row {index}: launch/run.py --parity --mesh {mesh_of(row)} --set parity.steps={STEPS} {args}")
