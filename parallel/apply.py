@@ -320,7 +320,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, op
     units.append((model, dims.fsdp))
     # Sharded over one rank (its last mesh dimension; hsdp replicas all-reduce as before),
     # FSDP's reduce is a copy of every gradient: make it none (parallel/fsdp_internals.py).
-    one_rank = [unit for unit, mesh in units if mesh.size(-1) == 1]
+    # The rank tensor's shape, as torch 2.11's DeviceMesh.size(-1) fails on a flattened dp x cp.
+    one_rank = [unit for unit, mesh in units if mesh.mesh.shape[-1] == 1]
     if one_rank and reduces_in_place():
         for unit in one_rank:
             reduce_in_place(unit)
