@@ -168,8 +168,8 @@ def _one_rank_reduce_class():
 
     class OneRankReduceInPlace(base):
         """FSDP's reduce over a one-rank group is a copy of the gradient buffer it fills
-        into a second buffer that becomes the sharded gradients (the whole buffer, every
-        backward: 28 ms of a 441 ms step of four 4096-wide fp32 linears on CPU). Handing
+        into a second buffer that becomes the sharded gradients, the whole buffer every
+        backward (bench/one_rank_reduce.py; docs/benchmarks.md gives its figures). Handing
         the first buffer back as the second makes that copy one of a tensor onto itself,
         which torch skips; the values are the same, and the second buffer is never
         allocated."""
