@@ -308,12 +308,14 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(report.read_text())
     fits = [layout for layout in data["layouts"] if layout["fits"]]
-    dropped = [layout for layout in data["layouts"] if not layout["fits"]]
-    assert fits and dropped, result.stdout  # 23 MiB for tensors: some layouts fit, some do not
+    dropped = [layout for layout in data["layouts"] if not layout["fits"] and layout["simulated"]]
+    skipped = [layout for layout in data["layouts"] if not layout["simulated"]]
+    assert fits and dropped and skipped, result.stdout  # 23 MiB for tensors: some layouts fit, some do not
     speeds = [layout["step"]["tokens_per_s"] for layout in fits]
     assert speeds == sorted(speeds, reverse=True)
     assert all(layout["peak_bytes"] <= 0.9 * 0.025 * 1024 ** 3 for layout in fits)
     assert all("usable" in layout["reason"] and layout["peak_bytes"] > 0.9 * 0.025 * 1024 ** 3 for layout in dropped)
+    check_left_out_reshard_settings(data["layouts"], tmp_path)
     # The default searches meshes in 2 processes here (2 cores); one process finds the same.
     alone = tmp_path / "alone.json"
     result_alone = launcher("--plan-for", "--world", "4", "--set", "training.seq_len=64", "--set",
@@ -326,6 +328,34 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     trained = launcher(*args, "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: 1 steps" in trained.stdout
+
+
+def check_left_out_reshard_settings(layouts: list[dict], tmp_path) -> None:
+    """A reshard setting left out (search_job) is no faster than the earlier one that fit
+    with FSDP's collectives hidden: both simulated by --dry-run, with pp and without. One
+    that fit with them exposed keeps its later settings, and there keeping more gathered
+    was faster."""
+    def setting(layout) -> tuple:
+        return layout["mesh"], tuple(o for o in layout["overrides"] if "reshard_after_forward" not in o)
+
+    fit_of = {setting(layout): layout for layout in layouts if layout["fits"]}
+    exposed = [layout for layout in layouts if layout["fits"]
+               and layout["step"]["overlapped_s"] > layout["step"]["compute_s"]]
+    assert any(later["step"]["tokens_per_s"] > layout["step"]["tokens_per_s"] for layout in exposed
+               for later in layouts if later is not layout and later["fits"] and setting(later) == setting(layout))
+    skipped = [layout for layout in layouts if not layout["simulated"]]
+    for left_out in [next(l for l in skipped if "pp=" in l["mesh"]), next(l for l in skipped if "pp=" not in l["mesh"])]:
+        fit = fit_of[setting(left_out)]
+        assert fit["step"]["overlapped_s"] <= fit["step"]["compute_s"]
+        speeds = []
+        for name, layout in (("fit", fit), ("left-out", left_out)):
+            report = tmp_path / f"{name}.json"
+            result = launcher("--dry-run", "--world", "4", "--mesh", layout["mesh"], "--set", "training.seq_len=64",
+                              "--set", "training.global_batch=8", "--set", f"dryrun.report={report}",
+                              *(arg for value in layout["overrides"] for arg in ("--set", value)))
+            assert result.returncode == 0, result.stderr[-3000:]
+            speeds.append(json.loads(report.read_text())["step"]["tokens_per_s"])
+        assert speeds[1] <= speeds[0], (left_out, speeds)
 
 
 @pytest.mark.slow

@@ -174,12 +174,13 @@ class StepEstimate:
     bubble_s: float = 0.0  # pipeline parallel: the schedule's idle time
     bubble_fraction: float = 0.0  # of the rank's compute
     exposed_p2p_s: float = 0.0  # point to point between stages that the step waits for
+    overlapped_s: float = 0.0  # FSDP's collectives and point to point: what exceeds compute_s is exposed
 
     def as_dict(self) -> dict:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "bubble_s": self.bubble_s, "bubble_fraction": self.bubble_fraction,
-                "exposed_p2p_s": self.exposed_p2p_s}
+                "exposed_p2p_s": self.exposed_p2p_s, "overlapped_s": self.overlapped_s}
 
 
 def bubble_fraction(schedule: str, pp: int, per_rank: int, micro_batches: int) -> float:
@@ -240,7 +241,7 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
     return StepEstimate(compute_s=compute, comm_s=comm_s, exposed_comm_s=exposed, step_s=step,
                         tokens_per_s=global_tokens / step,
                         mfu=global_tokens * flops_per_token / step / (spec.world_size * profile.peak_flops),
-                        bubble_s=bubble, bubble_fraction=fraction, exposed_p2p_s=exposed_p2p)
+                        bubble_s=bubble, bubble_fraction=fraction, exposed_p2p_s=exposed_p2p, overlapped_s=hidden)
 
 
 def stage_flops_per_token(whole, stages, split: list[list[str]], held: list[int], seq_len: int) -> float:

@@ -159,7 +159,7 @@ def render_outcome(outcome) -> str:
     """One searched layout, as it is simulated: the progress of --plan-for."""
     peak = f"peak {outcome.peak_bytes / GIB:6.1f} GiB"
     if outcome.estimate is None:
-        return f"  drop  {outcome.layout.command_line()}\n        {outcome.reason}"
+        return f"  {'drop' if outcome.simulated else 'skip'}  {outcome.layout.command_line()}\n        {outcome.reason}"
     e = outcome.estimate
     return (f"  fits  {outcome.layout.command_line()}\n        {peak}, step {_time(e.step_s)}, "
             f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}")
@@ -182,7 +182,9 @@ def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str
                 f"{depth}; step time analytic "
                 f"(docs/planning.md){pipelines}")
     fits = [o for o in outcomes if o.estimate is not None]
-    lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, {len(outcomes) - len(fits)} do not"]
+    skipped = sum(not o.simulated for o in outcomes)
+    lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, {len(outcomes) - len(fits) - skipped} do not"
+                 + (f", {skipped} left out as no faster than one that fits" if skipped else "")]
     if not fits:
         lines.append("none fits: use more GPUs, a shorter training.seq_len or a smaller training.global_batch")
         return "\n".join(lines)
@@ -200,7 +202,8 @@ def write_plan_json(outcomes, cfg, world: int, path: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     layouts = [{"mesh": str(o.layout.spec), "overrides": o.layout.overrides(), "fits": o.estimate is not None,
-                "peak_bytes": o.peak_bytes, "reason": o.reason, "step": o.estimate.as_dict() if o.estimate else None}
+                "peak_bytes": o.peak_bytes, "reason": o.reason, "simulated": o.simulated,
+                "step": o.estimate.as_dict() if o.estimate else None}
                for o in outcomes]
     target.write_text(json.dumps({"version": VERSION, "model": f"{cfg.model.name}/{cfg.model.flavor}",
                                   "world_size": world, "device": dict(vars(cfg.dryrun)), "layouts": layouts},

@@ -27,10 +27,11 @@ What is searched, and why not more:
   the first that fits, since the later ones recompute or re-gather more and are never
   faster in the step model.
   A layout that did not fit ends the same AC mode and micro-batch count with the later
-  reshard settings, which keep more gathered; and once a count has a layout that did
+  reshard settings, which keep more gathered; and once a count has two layouts that did
   not fit, it is tried with full AC, which needs least memory at that count, before its
   other layouts: when that does not fit either, the count's other layouts are not
-  simulated (first_fit);
+  simulated (first_fit). Once a reshard setting fits with FSDP's collectives hidden
+  behind compute, the later ones are not simulated (search_job: they cannot be faster);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -134,8 +135,9 @@ class Layout:
 class Outcome:
     layout: Layout
     peak_bytes: int
-    estimate: StepEstimate | None  # None when it does not fit
+    estimate: StepEstimate | None  # None when it does not fit, or was not simulated
     reason: str = ""
+    simulated: bool = True  # False: left out, as it cannot be faster than a layout that fits (search_job)
 
 
 def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, profile, usable: float) -> "Outcome":
@@ -510,12 +512,14 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome]) -> l
       setting needing no more memory than this ladder's: `beyond` maps each such key to
       its outcome, filled ladder by ladder in reshard_options' order;
     - every layout of a micro-batch count at which full AC, which needs least memory at
-      that count, does not fit. Before a second layout of a count is simulated (one has
+      that count, does not fit. Before a third layout of a count is simulated (two have
       not fit, with this reshard setting or an earlier one), full AC at that count is,
       out of the ladder's order; when it does not fit, the count is done with, with this
       reshard setting and the later ones, and when it fits it is reported only where the
-      ladder reaches it. (Not across counts: without pp, more micro-batches hold the
-      whole model's unreduced gradients.)"""
+      ladder reaches it. (Not after the first layout that did not fit: the next AC mode
+      usually fits, and the probe is then a simulation for nothing; at 405B on 16,384
+      GPUs such probes were a fifth of the search. Not across counts: without pp, more
+      micro-batches hold the whole model's unreduced gradients.)"""
     outcomes, probed = [], {}  # memory_key of a full-AC layout simulated ahead -> its outcome
     for layout in ladder:
         key = memory_key(layout)
@@ -523,7 +527,7 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome]) -> l
         if key in beyond or full in beyond:
             continue
         least = next((other for other in ladder if memory_key(other) == full), None)
-        failed_at_count = any(micro == layout.micro_batches for _, _, micro in beyond)
+        failed_at_count = sum(micro == layout.micro_batches for _, _, micro in beyond) >= 2
         if least is not None and least is not layout and full not in probed and failed_at_count:
             probed[full] = evaluate(least)
             if probed[full].estimate is None:
@@ -564,7 +568,12 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
 def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int, list[Outcome]]:
     """(the job's index, the outcomes of its layouts in the order simulated): one mesh with
     one pipeline schedule (and stages per rank; without pp, the one ladder), every reshard
-    setting, least memory first (first_fit's `beyond`)."""
+    setting, least memory first (first_fit's `beyond`), until one fits with FSDP's
+    collectives hidden behind compute. The later settings are then left out (dominated):
+    each keeps more parameters gathered, so it fits at the same AC mode and micro-batch
+    count or at a later one, which recomputes no less (the step model's compute, bubble and
+    exposed collectives do not fall along a ladder), and it only removes FSDP all-gathers
+    that the step does not wait for."""
     index, (spec, (schedule, per_rank)) = job
     dry = cfg.dryrun
     profile, usable = device_profile(dry), dry.gpu_memory_gib * GIB * (1 - HEADROOM)
@@ -575,10 +584,24 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
 
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-    for reshard in reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather):
+    settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather)
+    for position, reshard in enumerate(settings):
         for ladder in ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)]):
             outcomes += first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond)
+        fit = next((o for o in outcomes if o.estimate is not None and o.layout.reshard == reshard), None)
+        if fit is not None and fit.estimate.overlapped_s <= fit.estimate.compute_s:
+            outcomes += [dominated(fit, later) for later in settings[position + 1:]]
+            break
     return index, outcomes
+
+
+def dominated(fit: Outcome, reshard: str) -> Outcome:
+    """The reshard setting `reshard` of `fit`'s ladder, left out (search_job)."""
+    e = fit.estimate
+    return Outcome(dataclasses.replace(fit.layout, reshard=reshard), 0, None,
+                   f"not simulated: reshard_after_forward={fit.layout.reshard} fits with FSDP's collectives "
+                   f"hidden ({e.overlapped_s:.3g} s under {e.compute_s:.3g} s of compute), so keeping more "
+                   f"gathered needs more memory for a step no shorter", simulated=False)
 
 
 @contextmanager
