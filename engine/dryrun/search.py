@@ -586,9 +586,10 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
     settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather)
     for position, reshard in enumerate(settings):
-        for ladder in ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)]):
-            outcomes += first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond)
-        fit = next((o for o in outcomes if o.estimate is not None and o.layout.reshard == reshard), None)
+        (ladder,) = ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)])
+        found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond)
+        outcomes += found
+        fit = next((o for o in found if o.estimate is not None), None)
         if fit is not None and fit.estimate.overlapped_s <= fit.estimate.compute_s:
             outcomes += [dominated(fit, later) for later in settings[position + 1:]]
             break
@@ -601,7 +602,7 @@ def dominated(fit: Outcome, reshard: str) -> Outcome:
     return Outcome(dataclasses.replace(fit.layout, reshard=reshard), 0, None,
                    f"not simulated: reshard_after_forward={fit.layout.reshard} fits with FSDP's collectives "
                    f"hidden ({e.overlapped_s:.3g} s under {e.compute_s:.3g} s of compute), so keeping more "
-                   f"gathered needs more memory for a step no shorter", simulated=False)
+                   f"gathered cannot shorten the step", simulated=False)
 
 
 @contextmanager
