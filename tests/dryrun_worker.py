@@ -12,7 +12,8 @@ process reuses the first one's process-group names, so one process simulates one
     python tests/dryrun_worker.py activations LAYOUT.json OUT/
         what one more block adds on rank 0 of a simulated layout ([mesh, [key=value, ...],
         world size]): the forward's peak, less the block's parameter and optimizer state,
-        is the activations it keeps for backward; with its collectives; OUT/activations.json.
+        is the activations it keeps for backward; with its collectives and the step's
+        peaks at 2 and 3 blocks; OUT/activations.json.
 
 LAYOUTS.json is a list of [mesh, [key=value, ...]] over the default config.
 `measure_and_predict` runs both for tests/test_dryrun.py and bench/dryrun_validation.py.
@@ -120,6 +121,7 @@ def activations(layout, out: Path) -> None:
     state = lambda o: o.param_bytes + o.optimizer_bytes
     (out / "activations.json").write_text(json.dumps({
         "block_bytes": deep.phase_peaks["forward"] - shallow.phase_peaks["forward"] - (state(deep) - state(shallow)),
+        "peak_bytes": {"shallow": shallow.peak_bytes, "deep": deep.peak_bytes},
         "comm": {"shallow": shallow.comm, "deep": deep.comm}}))
 
 

@@ -67,6 +67,26 @@ def test_a_70b_block_at_tp8_keeps_its_true_size(tmp_path, recompute, limit, gath
     assert backward_all_gathers_per_block(observed) == gathers
 
 
+@pytest.mark.parametrize("mesh, world", [("tp=8", 8), ("cp=2,tp=4", 8)])
+def test_op_level_ac_needs_more_memory_than_recompute_cheap_under_sequence_parallel(tmp_path, mesh, world):
+    """What --plan-for's lighter_key relies on to leave op-level AC out where none with
+    recompute_cheap did not fit (engine/dryrun/search.py): under sequence parallelism op
+    keeps more per block, and more at the step's peak, so at every depth from 3 blocks on
+    (both grow linearly with the blocks). Without sequence parallelism it is the other
+    way round at 70B, which is why the rule stops there."""
+    def observed(ac: str, cheap: str, sequence_parallel: str = "true") -> dict:
+        overrides = [*SEVENTY_B, f"parallel.activation_checkpoint={ac}", f"parallel.recompute_cheap={cheap}",
+                     f"parallel.sequence_parallel={sequence_parallel}"]
+        return block_activations(tmp_path, mesh, overrides, world)
+
+    op, cheap = observed("op", "false"), observed("none", "true")
+    assert op["block_bytes"] > cheap["block_bytes"], (op["block_bytes"], cheap["block_bytes"])
+    assert op["peak_bytes"]["deep"] >= cheap["peak_bytes"]["deep"]
+    if mesh == "tp=8":
+        op, cheap = observed("op", "false", "false"), observed("none", "true", "false")
+        assert op["block_bytes"] < cheap["block_bytes"], (op["block_bytes"], cheap["block_bytes"])
+
+
 def test_recomputed_sublayers_keep_their_names_and_gradients_bitwise():
     """One process, no process group: the debug model with every sublayer of the plan
     recomputed has the same state dict keys, one class per module class (torch.compile

@@ -481,7 +481,7 @@ def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monke
 
     simulated = []
 
-    def roles(cfg, layout, world, depth):
+    def roles(cfg, layout, world, depth, seen=None):
         for peak in (5, 50, 7):
             simulated.append(peak)
             yield Observation(0, 0, 0, peak, {}), 1.0, 0.0
@@ -491,6 +491,57 @@ def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monke
     layout = search.Layout(MeshSpec(dp=2, pp=4), "true", "full", 4)
     outcome = search.evaluate_layout(None, layout, 8, 8, 1.0, None, usable=10)
     assert simulated == [5, 50] and outcome.estimate is None and outcome.peak_bytes == 50
+    # first_fit's probe: the first role fits, so what the layout needs is not known yet.
+    simulated.clear()
+    assert search.evaluate_layout(None, layout, 8, 8, 1.0, None, usable=10, first_role_only=True) is None
+    assert simulated == [5]
+
+
+def test_the_probe_and_the_ladder_simulate_each_stage_role_of_a_layout_once(monkeypatch):
+    """search_job's evaluate keeps the roles a probe simulated (observe_stage_roles' `seen`),
+    so the full evaluation of the same layout simulates only the others (no process group:
+    made-up observations)."""
+    from engine.dryrun import search
+    from engine.dryrun.observe import Observation
+    from parallel.mesh import MeshSpec
+
+    from common.config import load_config
+    from launch.run import DEFAULT_CONFIG
+
+    simulated = []
+    monkeypatch.setattr(search, "observe_blocks", lambda cfg, layout, world, rank, blocks: (
+        simulated.append(rank) or Observation(0, 0, 0, 1, {})))
+    layout = search.Layout(MeshSpec(dp=2, pp=4), "true", "full", 4)
+    cfg = search.layout_config(load_config(DEFAULT_CONFIG), layout)
+    seen = {}
+    first = next(search.observe_stage_roles(cfg, layout, 8, 4, seen))
+    assert simulated == [0] and seen == {0: first}
+    roles = list(search.observe_stage_roles(cfg, layout, 8, 4, seen))
+    assert simulated == [0, 1, 3] and roles[0] is first and len(roles) == 3
+
+
+def test_op_level_ac_is_left_out_where_recompute_cheap_did_not_fit_under_sequence_parallel():
+    """first_fit's lighter_key (no process group: made-up outcomes in which every layout
+    but full AC is over the memory): with sequence parallelism op-level AC is not simulated
+    once none with recompute_cheap did not fit, at this reshard setting or a later one;
+    without it, op is simulated."""
+    from engine.dryrun.search import Outcome, first_fit, ladders
+    from parallel.mesh import MeshSpec
+
+    for sequence_parallel in (True, False):
+        simulated = []
+
+        def evaluate(layout):
+            simulated.append((layout.reshard, layout.activation_checkpoint, layout.recompute_cheap))
+            fits = layout.activation_checkpoint == "full"
+            return Outcome(layout, 1, object() if fits else None)
+
+        beyond = {}
+        for reshard in ("true", "false"):
+            (ladder,) = ladders(MeshSpec(pp=4, dp=2, tp=2), reshard, sequence_parallel, 8, [("1F1B", 1)])
+            first_fit(ladder, evaluate, beyond)
+        ops = [step for step in simulated if step[1] == "op"]
+        assert ops == ([] if sequence_parallel else [("true", "op", False)]), simulated
 
 
 @pytest.mark.parametrize("dim", ["pp", "pp_tie"])

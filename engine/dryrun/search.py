@@ -30,8 +30,11 @@ What is searched, and why not more:
   reshard settings, which keep more gathered; and once a count has two layouts that did
   not fit, it is tried with full AC, which needs least memory at that count, before its
   other layouts: when that does not fit either, the count's other layouts are not
-  simulated (first_fit). Once a reshard setting fits with FSDP's collectives hidden
-  behind compute, the later ones are not simulated (search_job: they cannot be faster);
+  simulated (first_fit; under pp this probe simulates the first stage role only, and
+  the ladder reuses it). With sequence parallelism op is not simulated where none with
+  recompute_cheap did not fit (lighter_key). Once a reshard setting fits with FSDP's
+  collectives hidden behind compute, the later ones are not simulated (search_job: they
+  cannot be faster);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
   fraction of the bf16 peak that the step model does not describe, so it is not
   offered;
@@ -73,6 +76,7 @@ tests/test_dryrun.py checks the combination against a simulation of the real one
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -140,17 +144,23 @@ class Outcome:
     simulated: bool = True  # False: left out, as it cannot be faster than a layout that fits (search_job)
 
 
-def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, profile, usable: float) -> "Outcome":
+def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, profile, usable: float,
+                    seen: dict | None = None, first_role_only: bool = False) -> "Outcome | None":
     """Simulate one layout; it fits or not (the largest peak of its stage roles), and the
     step estimate of its slowest role when it does. Under pp the roles are simulated in
-    order and the first that does not fit ends it: the layout's peak is then at least that."""
+    order and the first that does not fit ends it: the layout's peak is then at least that.
+    `seen` (pp rank -> role) keeps the roles simulated, for a later call on the same layout;
+    with `first_role_only`, a pipeline layout whose first role fits gives None, as what its
+    other roles need is not known yet (first_fit's probe)."""
     layout_cfg = layout_config(cfg, layout)
     spec = layout.spec
     roles = [(observe(layout_cfg, layout, world, depth), None, whole_float8_flops(cfg, depth))] if spec.pp == 1 else []
-    for role in observe_stage_roles(layout_cfg, layout, world, depth) if spec.pp > 1 else ():
+    for role in observe_stage_roles(layout_cfg, layout, world, depth, seen) if spec.pp > 1 else ():
         roles.append(role)
         if role[0].peak_bytes > usable:
             break
+        if first_role_only:
+            return None
     peak = max(observed.peak_bytes for observed, _, _ in roles)
     if peak > usable:
         return Outcome(layout, peak, None, f"peak {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
@@ -330,10 +340,12 @@ def whole_float8_flops(cfg, depth: int) -> float:
     return float8_flops_per_token(whole, expand(whole, plan.blocks, plan.name), cfg.parallel.float8)
 
 
-def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator[tuple[Observation, float, float]]:
+def observe_stage_roles(cfg, layout: Layout, world: int, depth: int,
+                        seen: dict | None = None) -> Iterator[tuple[Observation, float, float]]:
     """Under pipeline parallel: (the observation, the FLOPs per token, those in float8) of
     each distinct stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks),
-    one by one."""
+    one by one; those in `seen` (pp rank -> role) without simulating them again, and the
+    others added to it."""
     from engine.dryrun.estimate import float8_flops_per_token, stage_flops_per_token
     from engine.dryrun.simulate import pipeline_ranks
     from models import build_on_meta
@@ -344,11 +356,15 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int) -> Iterator
     plan, whole = plan_of(cfg), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
     split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split, empty_ends(plan.stages))
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
+    seen = {} if seen is None else seen
     for pp_rank in pipeline_ranks(cfg, spec, depth):
-        held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
-        observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
-        yield (observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len),
-               float8_flops_per_token(whole, [path for stage in held for path in paths[stage]], cfg.parallel.float8))
+        if pp_rank not in seen:
+            held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
+            observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
+            seen[pp_rank] = (observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len),
+                             float8_flops_per_token(whole, [path for stage in held for path in paths[stage]],
+                                                    cfg.parallel.float8))
+        yield seen[pp_rank]
 
 
 def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
@@ -505,32 +521,50 @@ def memory_key(layout: Layout) -> tuple[str, bool, int]:
     return layout.activation_checkpoint, layout.recompute_cheap, layout.micro_batches
 
 
-def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome]) -> list[Outcome]:
+def lighter_key(layout: Layout) -> tuple[str, bool, int] | None:
+    """The memory_key of a layout that needs no more memory than `layout`, where one is
+    known: none with recompute_cheap against op-level AC under sequence parallelism. Both
+    keep the outputs of matmuls and attention; op also keeps each row-parallel matmul's
+    partial sum, which holds the whole sequence, where recompute_cheap keeps a sequence
+    shard of the residual, and op recomputes a whole block at once in backward, where
+    recompute_cheap recomputes one sublayer (docs/parallelism.md, "Activations at their
+    true size"; tests/test_activation_memory.py measures both). Without sequence
+    parallelism the residual is whole too, and op can need less."""
+    if layout.activation_checkpoint == "op" and layout.spec.tp > 1 and layout.sequence_parallel:
+        return "none", True, layout.micro_batches
+    return None
+
+
+def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], probe=None) -> list[Outcome]:
     """The outcomes of the ladder's layouts up to the first that fits, in order, without
     simulating those that cannot fit:
     - a layout whose AC mode and micro-batch count (memory_key) did not fit with a reshard
-      setting needing no more memory than this ladder's: `beyond` maps each such key to
-      its outcome, filled ladder by ladder in reshard_options' order;
+      setting needing no more memory than this ladder's, or whose lighter_key did not:
+      `beyond` maps each such key to its outcome, filled ladder by ladder in
+      reshard_options' order;
     - every layout of a micro-batch count at which full AC, which needs least memory at
       that count, does not fit. Before a third layout of a count is simulated (two have
-      not fit, with this reshard setting or an earlier one), full AC at that count is,
-      out of the ladder's order; when it does not fit, the count is done with, with this
-      reshard setting and the later ones, and when it fits it is reported only where the
-      ladder reaches it. (Not after the first layout that did not fit: the next AC mode
-      usually fits, and the probe is then a simulation for nothing; at 405B on 16,384
-      GPUs such probes were a fifth of the search. Not across counts: without pp, more
-      micro-batches hold the whole model's unreduced gradients.)"""
-    outcomes, probed = [], {}  # memory_key of a full-AC layout simulated ahead -> its outcome
+      not fit, with this reshard setting or an earlier one), full AC at that count is
+      probed, out of the ladder's order; when it does not fit, the count is done with,
+      with this reshard setting and the later ones, and when it fits it is reported only
+      where the ladder reaches it. (Not after the first layout that did not fit: the next
+      AC mode usually fits, and the probe is then a simulation for nothing; at 405B on
+      16,384 GPUs such probes were a fifth of the search. Not across counts: without pp,
+      more micro-batches hold the whole model's unreduced gradients.)
+    `probe(layout)` is an outcome, or None where it found only that part of the layout
+    fits (search_job's: the first stage role of a pipeline); `evaluate` by default."""
+    probe = probe or evaluate
+    outcomes, probed = [], {}  # memory_key of a full-AC layout probed -> its outcome, or None
     for layout in ladder:
         key = memory_key(layout)
         full = ("full", False, layout.micro_batches)
-        if key in beyond or full in beyond:
+        if key in beyond or full in beyond or lighter_key(layout) in beyond:
             continue
         least = next((other for other in ladder if memory_key(other) == full), None)
         failed_at_count = sum(micro == layout.micro_batches for _, _, micro in beyond) >= 2
         if least is not None and least is not layout and full not in probed and failed_at_count:
-            probed[full] = evaluate(least)
-            if probed[full].estimate is None:
+            probed[full] = probe(least)
+            if probed[full] is not None and probed[full].estimate is None:
                 outcomes.append(probed[full])
                 beyond[full] = probed[full]
                 continue
@@ -579,15 +613,19 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
     profile, usable = device_profile(dry), dry.gpu_memory_gib * GIB * (1 - HEADROOM)
     sequence_parallel = offers_sequence_parallel(cfg)
 
-    def evaluate(layout: Layout) -> Outcome:
-        return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable)
+    roles_seen = collections.defaultdict(dict)  # a layout's command line -> its stage roles simulated
+
+    def evaluate(layout: Layout, first_role_only: bool = False) -> Outcome | None:
+        return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable, roles_seen[layout.command_line()],
+                               first_role_only)
 
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
     settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather)
     for position, reshard in enumerate(settings):
         (ladder,) = ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)])
-        found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond)
+        found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond,
+                          probe=functools.partial(evaluate, first_role_only=True))
         outcomes += found
         fit = next((o for o in found if o.estimate is not None), None)
         if fit is not None and fit.estimate.overlapped_s <= fit.estimate.compute_s:
