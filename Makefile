@@ -53,7 +53,8 @@ test-slow: env
 
 # Two lanes side by side, each in its own scratch checkout: the documents of DOCS_LANE
 # in one, the rest in the other (a block uses only what earlier blocks of its own
-# document made). Most blocks run one process, so two lanes keep both cores busy.
+# document made). Most blocks run one process, so two lanes keep both cores busy. Each
+# lane prints its slowest blocks, to move a document between lanes when one runs longer.
 # The second lane prints as it goes, the first when it is done. With ARGS (a -k of your
 # own, say) one pytest runs what they select, as lanes would both run it.
 DOCS_LANE := planning or parallelism
@@ -62,8 +63,8 @@ ifneq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)
 else
 	@log=$$(mktemp); \
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" > $$log 2>&1 & lane=$$!; \
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "not ($(DOCS_LANE))"; rest=$$?; \
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" --durations=8 > $$log 2>&1 & lane=$$!; \
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "not ($(DOCS_LANE))" --durations=8; rest=$$?; \
 	wait $$lane; first=$$?; \
 	echo "== $(DOCS_LANE) (the first lane)"; cat $$log; rm -f $$log; \
 	[ $$first -eq 0 ] || exit $$first; exit $$rest
