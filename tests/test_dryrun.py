@@ -501,12 +501,11 @@ def test_the_probe_and_the_ladder_simulate_each_stage_role_of_a_layout_once(monk
     """search_job's evaluate keeps the roles a probe simulated (observe_stage_roles' `seen`),
     so the full evaluation of the same layout simulates only the others (no process group:
     made-up observations)."""
+    from common.config import load_config
     from engine.dryrun import search
     from engine.dryrun.observe import Observation
-    from parallel.mesh import MeshSpec
-
-    from common.config import load_config
     from launch.run import DEFAULT_CONFIG
+    from parallel.mesh import MeshSpec
 
     simulated = []
     monkeypatch.setattr(search, "observe_blocks", lambda cfg, layout, world, rank, blocks: (
