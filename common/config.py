@@ -162,6 +162,10 @@ class DryRunConfig:
     # The fraction of the bf16 peak the step reaches: 0.45, the median MFU of the engine's compiled step
     # on one H100 over four 1B- and 8B-shaped runs (docs/benchmarks.md, 2026-11-25; 40.9% to 47.3%).
     compute_efficiency: float = 0.45
+    # A mixture of experts' routing depends on values, which a dry run has none of: the busiest ep rank's routed
+    # rows over the mean ep rank's (1: balanced; at most ep: one rank takes every row). Its all-to-all, memory and
+    # expert compute are what the dry run simulates (models/moe.py: assumed_sizes).
+    expert_load: float = 1.0
     report: str = ""  # also write the report as JSON to this path
     gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
     top: int = 5  # --plan-for: how many of the best layouts to print as command lines

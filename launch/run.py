@@ -78,14 +78,22 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def check_simulated_model(model, name: str) -> None:
-    """The dry run's step model has no mixture of experts yet: its routing depends on the
-    values, which a simulated step does not have."""
+def check_simulated_model(model, cfg, spec, plan_for: bool) -> None:
+    """A mixture of experts is simulated at an assumed load (dryrun.expert_load), without
+    pp; the planner does not search ep yet."""
     from models.moe import MoE
-    if any(isinstance(module, MoE) for module in model.modules()):
-        raise UserError(f"--dry-run and --plan-for do not model a mixture of experts yet (model {name!r} routes "
-                        f"tokens to experts by their values, which a simulated step has none of). Train or run "
-                        f"--parity on a real mesh instead.")
+    if not any(isinstance(module, MoE) for module in model.modules()):
+        return
+    if plan_for:
+        raise UserError(f"--plan-for does not search a mixture of experts' layouts yet (model {cfg.model.name!r}): ep is not "
+                        f"one of its dimensions. Compare layouts with --dry-run --world N --mesh ..., ep included.")
+    if spec.pp > 1:
+        raise UserError(f"--dry-run does not simulate a mixture of experts under pp={spec.pp} yet: after each step "
+                        f"the pipeline stages gather their routing figures as Python objects, which a simulated step "
+                        f"has no values for. Simulate the same mesh without pp for its per-block memory and "
+                        f"all-to-alls, or train it and read metrics.jsonl.")
+    from engine.dryrun.simulate import check_expert_load
+    check_expert_load(cfg.dryrun.expert_load, spec.ep)
 
 
 def check(args: argparse.Namespace, world_size: int | None):
@@ -137,7 +145,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     from engine.routing import check as check_routing
     check_routing(model, cfg.moe)
     if args.dry_run or args.plan_for:
-        check_simulated_model(model, cfg.model.name)
+        check_simulated_model(model, cfg, spec, bool(args.plan_for))
     if not (args.dry_run or args.plan_for):  # a dry run reads no data
         from engine.data.sources import check_data
         check_data(cfg, vocab_size(model))  # paths, prepared folders, vocabularies: index.json only

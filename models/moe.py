@@ -80,6 +80,9 @@ FLAVORS = {
 # The debug MoE with Mixtral's router and no shared expert: the oracle test's shape.
 FLAVORS["debug-moe-mixtral"] = dataclasses.replace(FLAVORS["debug-moe"], shared_hidden=0)
 FLAVORS["debug-moe-sigmoid"] = dataclasses.replace(FLAVORS["debug-moe"], router="sigmoid", dense_layers=1)
+# 2 experts, top 1, the sigmoid router: at dp=4,ep=2 each rank's one expert is sharded by
+# FSDP over 2 ranks along its rows (parallel/apply.py: expert_placement).
+FLAVORS["debug-moe-2"] = dataclasses.replace(FLAVORS["debug-moe"], n_experts=2, top_k=1, router="sigmoid")
 # 8 blocks, as the dense debug-deep: a pipeline of 2 stages per rank with an uneven split.
 FLAVORS["debug-moe-deep"] = dataclasses.replace(FLAVORS["debug-moe"], n_layers=8)
 
@@ -166,11 +169,16 @@ class Experts(nn.Module):
         # once when the model is materialised (MoELlama.reset_buffers); the others loop.
         self.grouped_dtypes: frozenset = frozenset()
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens sorted by expert, counts[e] of them for expert e."""
-        return self.compute(x, counts, self.w13, self.w2)
+        # The share of the experts' weights a token multiplies by (engine/metrics/throughput.py).
+        self.active_share = args.top_k / args.n_experts
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """x: tokens sorted by expert, counts[e] of them for expert e; `sizes`: the same
+        counts as a list, where they are known without reading `counts` (a dry run)."""
+        return self.compute(x, counts, self.w13, self.w2, sizes)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                sizes: list[int] | None = None) -> torch.Tensor:
         """The experts whose weights are given (all of them, or an ep rank's) on their tokens.
         Expert parallelism (parallel/expert.py) calls it with this rank's experts."""
         if x.dtype in self.grouped_dtypes:
@@ -178,10 +186,23 @@ class Experts(nn.Module):
             gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
             return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
         outputs = []
-        for expert, rows in enumerate(x.split(counts.tolist())):
+        for expert, rows in enumerate(x.split(counts.tolist() if sizes is None else sizes)):
             gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, w2[expert]))
         return torch.cat(outputs)
+
+
+def assumed_sizes(rows: int, n_experts: int, load: float, ep: int) -> list[int]:
+    """Rows per expert for a step simulated without values to route by: the experts in `ep`
+    equal groups (one per ep rank, in order), the first group taking `load` times the mean
+    group's rows (`dryrun.expert_load`: 1 is balanced, `ep` all of them), the other groups
+    sharing the rest alike, and each group's rows spread evenly over its experts. The dry
+    run simulates ep rank 0, so it is the busiest rank."""
+    local = n_experts // ep
+    first = min(rows, round(rows * load / ep))
+    groups = [first] + [(rows - first) // (ep - 1)] * (ep - 1) if ep > 1 else [rows]
+    groups[-1] += rows - sum(groups)
+    return [group // local + (i < group % local) for group in groups for i in range(local)]
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -216,6 +237,9 @@ class MoE(nn.Module):
         # forward one part, whose loss weighs 1/slices (begin_step).
         self.load_balance, self.bias_rate, self.slices = 0.0, 0.0, 1
         self.context = None  # (cp group, cp size) where context parallelism splits sequences
+        # Set by the dry run (engine/dryrun/simulate.py), whose tokens have no values to route
+        # by: (load, ep), the rows per expert it assumes instead (assumed_sizes).
+        self.assumed_load: tuple[float, int] | None = None
         self.biased = args.router == "sigmoid"  # whether bias_rate acts on its router
         # Tokens per expert, then the sums of router entropy and load-balancing loss, the
         # tokens and the sequences, added to by each forward and read by the loop.
@@ -264,7 +288,9 @@ class MoE(nn.Module):
         probs = probs.view(-1, length, self.n_experts)
         balance = self.balance_loss(probs, experts.view(-1, length, self.top_k))
         self.record(counts, probs, balance)
-        routed = self.experts(tokens[order // self.top_k], counts)
+        sizes = None if self.assumed_load is None else assumed_sizes(flat.numel(), self.n_experts, *self.assumed_load)
+        routed = (self.experts(tokens[order // self.top_k], counts) if sizes is None
+                  else self.experts(tokens[order // self.top_k], counts, sizes))
         # Back to (token, choice) order, then each token's k outputs summed by weight.
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
         out = (unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
@@ -312,15 +338,3 @@ class MoELlama(Llama):
         if fqn.endswith("experts.w2"):
             return Normal(0.02 / math.sqrt(2 * self.args.n_layers))  # a residual output, as Llama's w2
         return super().init_distribution(fqn)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """6 per weight a token multiplies by (its top k of the routed experts, not all of
-        them), plus the attention scores' 12 x n_layers x dim x seq_len, as
-        engine/metrics/throughput.py counts a dense model."""
-        args = self.args
-        embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
-        weights = sum(p.numel() for p in self.parameters()) - embedding
-        idle = 1 - args.top_k / args.n_experts
-        weights -= idle * sum(block.feed_forward.experts.w13.numel() + block.feed_forward.experts.w2.numel()
-                              for block in self.layers.values() if isinstance(block.feed_forward, MoE))
-        return 6 * weights + 12 * args.n_layers * args.dim * seq_len

@@ -69,28 +69,39 @@ def exchange(x: torch.Tensor, received: list[int], sent: list[int], group) -> to
 
 
 def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor,
-                     compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     sizes: list[int] | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The experts module's forward under ep: x holds this rank's tokens sorted by (global)
     expert, counts[e] of them for expert e. They go to the ranks holding their experts,
-    run there sorted by local expert, and come back in x's order. `compute_dtype`: what
+    run there sorted by local expert, and come back in x's order. `sizes`: the counts as a
+    list, where a dry run assumes them (models/moe.py: assumed_sizes); every ep rank is then
+    taken to send this rank's experts what this rank sends them. `compute_dtype`: what
     the weights are cast to, where FSDP does not do it."""
     ep = dist.get_world_size(group)
     local = counts.numel() // ep
     received_counts = torch.empty_like(counts)  # [source rank, local expert]
     dist.all_to_all_single(received_counts, counts, group=group)
-    sent = counts.view(ep, local).sum(1).tolist()
-    received_per_rank = received_counts.view(ep, local)
-    received_rows = received_per_rank.sum(1).tolist()
+    if sizes is None:
+        sent = counts.view(ep, local).sum(1).tolist()
+        received_per_rank = received_counts.view(ep, local)
+        local_sizes = None
+    else:
+        sent = [sum(sizes[rank * local:(rank + 1) * local]) for rank in range(ep)]
+        mine = sizes[dist.get_rank(group) * local:][:local]
+        received_per_rank = torch.tensor([mine] * ep, dtype=counts.dtype, device=counts.device)
+        local_sizes = [size * ep for size in mine]
+    received_rows = received_per_rank.sum(1).tolist() if sizes is None else [sum(mine)] * ep
     received = exchange(x, received_rows, sent, group)
     # Received rows come by source rank, then local expert: sort them by local expert.
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep),
-                                            received_per_rank.flatten())
+                                            received_per_rank.flatten(), output_size=sum(received_rows))
     order = expert_of_row.argsort(stable=True)
     weights = [_ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
                for w in (experts.w13, experts.w2)]
     if compute_dtype is not None:
         weights = [w.to(compute_dtype) for w in weights]
-    out = experts.compute(received[order], received_per_rank.sum(0), *weights)
+    local_counts = received_per_rank.sum(0)
+    out = (experts.compute(received[order], local_counts, *weights) if local_sizes is None
+           else experts.compute(received[order], local_counts, *weights, local_sizes))
     restored = torch.empty_like(out).index_copy_(0, order, out)
     return exchange(restored, sent, received_rows, group)
 
@@ -133,6 +144,6 @@ def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh, compute_dtype: 
         experts = model.get_submodule(path)
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
-        experts.forward = lambda x, counts, experts=experts: dispatch_forward(experts, group, x, counts,
-                                                                              compute_dtype)
+        experts.forward = lambda x, counts, sizes=None, experts=experts: dispatch_forward(
+            experts, group, x, counts, sizes, compute_dtype)
     return paths

@@ -82,8 +82,9 @@ class Plan:
     float8_skip: tuple[str, ...] = ()
     # Path glob of a mixture of experts' routed-experts modules, which ep > 1 splits by
     # expert (parallel/expert.py): each called as experts(tokens sorted by expert, counts
-    # per expert), holding w13 and w2 stacked by expert on dim 0, with a
-    # compute(tokens, counts, w13, w2) for a subset of them. None refuses ep > 1.
+    # per expert[, sizes]), holding w13 and w2 stacked by expert on dim 0, with a
+    # compute(tokens, counts, w13, w2[, sizes]) for a subset of them (`sizes`: the counts
+    # as a list, passed by the dry run, whose counts have no values). None refuses ep > 1.
     experts: str | None = None
 
 

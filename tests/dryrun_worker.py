@@ -62,10 +62,26 @@ def layout_config(mesh: str, overrides: list[str]):
     return load_config(REPO / "configs" / "debug.yaml", [f"parallel.mesh={mesh}", *overrides])
 
 
+def route_to_first_ep_rank(model, ep: int, load: float) -> None:
+    """Make a real step route as a dry run at dryrun.expert_load=ep assumes: every row to
+    the experts that ep rank 0 holds, through the sigmoid router's bias (which only the
+    choice sees)."""
+    import torch
+    from models.moe import Router
+    assert load == ep, f"the real step can only be made to route at dryrun.expert_load=ep, not {load}"
+    for module in model.modules():
+        if isinstance(module, Router):
+            assert module.kind == "sigmoid", "a routing bias needs the sigmoid router (model.flavor=debug-moe-sigmoid)"
+            local = module.expert_bias.numel() // ep
+            with torch.no_grad():
+                module.expert_bias[:local] = 1e3
+
+
 def measure(layouts, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from engine.dryrun import torch_internals
     from engine.dryrun.observe import observe_step
     from launch.build import sharded_model
     from parallel.mesh import build_mesh
@@ -75,8 +91,11 @@ def measure(layouts, out: Path) -> None:
     for index, (mesh, overrides) in enumerate(layouts):
         cfg = layout_config(mesh, overrides)
         spec = parse_mesh(mesh).resolve(dist.get_world_size())
+        torch_internals.clear_sharding_cache()  # each layout on its own meshes' groups
         dims = build_mesh(spec, "cpu")
         model, _ = sharded_model(cfg, dims, torch.device("cpu"))
+        if cfg.dryrun.expert_load > 1:
+            route_to_first_ep_rank(model, spec.ep, cfg.dryrun.expert_load)
         observed = observe_step(model, cfg, dims, torch.device("cpu"), fake=False)
         (out / f"measured-{index}-{rank}.json").write_text(json.dumps(observed.as_dict()))
         dist.barrier()

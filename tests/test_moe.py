@@ -17,6 +17,7 @@ from common.errors import UserError
 from models import build_on_meta
 from engine import routing
 from models.moe import FLAVORS, MoE, MoELlama, grouped_gemm_works
+from parallel.plan import get_plan
 
 
 def expert_layer(flavor: str, seed: int = 0) -> MoE:
@@ -173,30 +174,81 @@ def test_shapes_the_router_cannot_take_are_refused_with_the_fix(change, fragment
         MoELlama(dataclasses.replace(FLAVORS["debug-moe"], **change))
 
 
-def test_flops_count_the_experts_a_token_uses():
+def test_flops_count_the_experts_a_token_uses_in_the_model_and_in_each_pipeline_stage():
+    from engine.dryrun.estimate import stage_flops_per_token
+    from engine.metrics.throughput import flops_per_token
     model = build_on_meta("llama_moe", "debug-moe")
     args = model.args
     per_block_experts = 3 * args.n_experts * args.routed_hidden * args.dim
     dense_equivalent = 6 * (sum(p.numel() for p in model.parameters()) - args.vocab_size * args.dim)
     idle = (1 - args.top_k / args.n_experts) * per_block_experts * args.n_layers
-    assert model.flops_per_token(128) == dense_equivalent - 6 * idle + 12 * args.n_layers * args.dim * 128
+    whole = flops_per_token(model, 128)
+    assert whole == dense_equivalent - 6 * idle + 12 * args.n_layers * args.dim * 128
+    split = [["layers.0", "layers.1"], ["layers.2", "layers.3"]]
+    stages = [stage_flops_per_token(model, get_plan("llama_moe").stages, split, [held], 128) for held in (0, 1)]
+    assert sum(stages) == pytest.approx(whole, rel=1e-12)
 
 
-def test_the_dry_run_refuses_a_mixture_of_experts_with_what_to_run_instead():
+@pytest.mark.parametrize("args, fragments", [
+    (("--plan-for", "--world", "8"), ("does not search a mixture of experts' layouts yet", "--dry-run --world N")),
+    (("--dry-run", "--world", "8", "--mesh", "pp=2,dp=4"), ("under pp=2 yet", "without pp")),
+    (("--dry-run", "--world", "8", "--mesh", "dp=8,ep=2", "--set", "dryrun.expert_load=3"),
+     ("dryrun.expert_load=3.0 must be between 1", "ep=2")),
+    (("--dry-run", "--world", "8", "--mesh", "dp=8", "--set", "dryrun.expert_load=0.5"),
+     ("dryrun.expert_load=0.5 must be between 1",)),
+])
+def test_what_the_dry_run_cannot_simulate_of_a_mixture_of_experts_is_refused_with_the_fix(args, fragments):
     from tests.test_cli import assert_refused
-    assert_refused(("--dry-run", "--world", "8", "--mesh", "dp=4,tp=2", "--set", "model.name=llama_moe",
-                    "--set", "model.flavor=mixtral-8x7B", "--set", "parallel.plan=llama_moe"),
-                   "do not model a mixture of experts yet", "--parity on a real mesh")
+    assert_refused((*args, "--set", "model.name=llama_moe", "--set", "model.flavor=mixtral-8x7B",
+                    "--set", "parallel.plan=llama_moe"), *fragments)
 
 
+@pytest.mark.parametrize("load, ep, expected", [
+    (1.0, 1, [3] * 8),  # 24 rows over 8 experts
+    (1.0, 2, [3] * 8),
+    (2.0, 2, [6] * 4 + [0] * 4),  # ep rank 0 takes every row
+    (1.5, 4, [5, 4] + [3, 2] * 3),  # 9 rows on ep rank 0, 5 on each other, spread over its 2 experts
+    (1.0, 8, [3] * 8),
+])
+def test_the_rows_a_dry_run_assumes_per_expert_load_ep_rank_0_by_dryrun_expert_load(load, ep, expected):
+    from models.moe import assumed_sizes
+    sizes = assumed_sizes(24, 8, load, ep)
+    assert sizes == expected and sum(sizes) == 24
+
+
+def test_the_step_estimate_adds_the_busiest_ep_ranks_extra_expert_compute():
+    """At dryrun.expert_load=L, the busiest ep rank computes L times its share of the routed
+    experts' FLOPs; the rest of the step is unchanged, and without ep the load does nothing."""
+    from common.config import load_config
+    from engine.dryrun.estimate import device_profile, estimate_step, expert_flops_per_token
+    from parallel.mesh import parse_mesh
+    from parallel.plan import expand
+    model = build_on_meta("llama_moe", "mixtral-8x7B")
+    experts = expert_flops_per_token(model, expand(model, get_plan("llama_moe").blocks, "llama_moe"))
+    args = model.args
+    assert experts == 6 * args.n_layers * args.top_k * 3 * args.dim * args.ffn_hidden
+
+    def compute(mesh, load):
+        cfg = load_config(None, ["model.name=llama_moe", "model.flavor=mixtral-8x7B", f"dryrun.expert_load={load}"])
+        return estimate_step({}, 1e10, cfg, parse_mesh(mesh), device_profile(cfg.dryrun),
+                             expert_flops=experts).compute_s
+
+    assert compute("dp=8,ep=4", 2.0) / compute("dp=8,ep=4", 1.0) == pytest.approx((1e10 + experts) / 1e10)
+    assert compute("dp=8", 2.0) == compute("dp=8", 1.0)
 MOE_ARGS = ("--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe", "--set", "parallel.plan=llama_moe")
 
 
 @pytest.mark.distributed
-def test_a_checkpoint_reshards_between_ep_degrees(tmp_path):
-    """Real runs over gloo: 4 steps at dp=4,ep=2 with a checkpoint at step 2, loaded at ep=4
-    and without ep (dp=2). The first loss after loading equals the saving run's loss at
-    that step within the fp32 parity tolerance, 1e-5."""
+@pytest.mark.parametrize("flavor, loaded_on", [
+    ("debug-moe", ("dp=4,ep=4", "dp=2")),
+    # Saved with each rank's one expert sharded along its rows (parallel/apply.py:
+    # expert_placement), loaded where the experts stay whole ep shards, out of FSDP.
+    ("debug-moe-2", ("dp=2,ep=2",)),
+])
+def test_a_checkpoint_reshards_between_ep_degrees(tmp_path, flavor, loaded_on):
+    """Real runs over gloo: 4 steps at dp=4,ep=2 with a checkpoint at step 2, loaded on
+    other meshes (another ep, or none). The first loss after loading equals the saving
+    run's loss at that step within the fp32 parity tolerance, 1e-5."""
     import json
 
     from engine.checkpoint.store import step_name
@@ -204,12 +256,13 @@ def test_a_checkpoint_reshards_between_ep_degrees(tmp_path):
     from tests.test_cli import losses
 
     source = tmp_path / "source"
-    saved = launcher("--mesh", "dp=4,ep=2", *MOE_ARGS, "--set", "training.steps=4", "--set", "checkpoint.every=2",
+    model = (*MOE_ARGS, "--set", f"model.flavor={flavor}")
+    saved = launcher("--mesh", "dp=4,ep=2", *model, "--set", "training.steps=4", "--set", "checkpoint.every=2",
                      "--set", f"run.dir={source}")
     assert saved.returncode == 0, saved.stderr[-3000:]
-    for mesh in ("dp=4,ep=4", "dp=2"):
+    for mesh in loaded_on:
         run_dir = tmp_path / mesh.replace(",", "-").replace("=", "")
-        resumed = launcher("--mesh", mesh, *MOE_ARGS, "--resume", str(source / "checkpoints" / step_name(2)),
+        resumed = launcher("--mesh", mesh, *model, "--resume", str(source / "checkpoints" / step_name(2)),
                            "--set", "training.steps=3", "--set", f"run.dir={run_dir}")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "saved on mesh dp=4,ep=2" in resumed.stdout
@@ -251,3 +304,28 @@ def test_expert_figures_reach_the_step_log_metrics_and_tensorboard_from_every_st
     events.Reload()
     assert {f"experts/{layer}/tokens_per_expert" for layer in layers} <= set(events.Tags()["histograms"])
     assert [e.step for e in events.Scalars("experts/layers.3.feed_forward/max_over_mean")] == [0, 1, 2]
+
+
+def test_one_expert_per_ep_rank_is_sharded_along_its_rows_not_padded_to_one_expert_per_fsdp_rank(tmp_path):
+    """Mixtral 8x7B at dp=64,ep=8: each ep rank's one expert over 8 expert-data ranks
+    (parallel/apply.py: expert_placement). The dry run (torch's fake process group) counts
+    what each rank holds and gathers: by expert, FSDP padded the expert to 8, rank 0 held
+    21.1 GiB of parameters and rank 63 0.19 GiB of optimizer state, and each all-gather
+    moved 8 experts."""
+    import json
+    import subprocess
+    import sys
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "launch/run.py", "--dry-run", "--world", "64", "--mesh", "dp=64,ep=8",
+                    "--set", "model.name=llama_moe", "--set", "model.flavor=mixtral-8x7B", "--set",
+                    "parallel.plan=llama_moe", "--set", "parallel.param_dtype=bfloat16", "--set",
+                    "training.seq_len=128", "--set", "training.global_batch=64", "--set", f"dryrun.report={report}"],
+                   check=True, capture_output=True)
+    result = json.loads(report.read_text())
+    assert len({role["param_bytes"] for role in result["roles"]}) == 1
+    optimizer = [role["optimizer_bytes"] for role in result["roles"]]  # 5.438 and 5.437 GiB: not the experts
+    assert max(optimizer) < 1.001 * min(optimizer)
+    args = FLAVORS["mixtral-8x7B"]
+    one_expert_bf16 = 3 * args.dim * args.ffn_hidden * 2
+    gathered = result["comm"]["edp"]["forward"]["all_gather"]
+    assert gathered["bytes"] == gathered["count"] * one_expert_bf16

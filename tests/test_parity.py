@@ -58,6 +58,10 @@ MATRIX = {
                                       "training.micro_batches=2")),
     "moe-ep4-compiled": ("dp=4,ep=4", (*MOE_SHALLOW, "parallel.compile=true", "parallel.activation_checkpoint=selective",
                                        "parallel.param_dtype=bfloat16")),
+    # One expert per ep rank, sharded by FSDP over the 2 others along its rows, not padded
+    # to 2 experts (parallel/apply.py: expert_placement).
+    "moe-expert-rows-sharded": ("dp=4,ep=2", ("model.name=llama_moe", "model.flavor=debug-moe-2",
+                                              "parallel.plan=llama_moe", "parity.layers=2")),
 }
 
 

@@ -10,12 +10,15 @@ collective bytes, and this turns them into seconds under stated assumptions:
   gives every cp rank the same attention work), at `compute_efficiency` of the peak;
   with parallel.float8, the FLOPs of the blocks' linears (6 per weight) run the profile's
   measured float8 speedup faster (FLOAT8_SPEEDUP: the float8 matmuls less their casts);
-- a collective moves its bytes at ring cost, (n-1)/n of them for an all-gather or a
-  reduce-scatter and twice that for an all-reduce, at the intra-node bandwidth when
+- a collective moves its bytes at ring cost, (n-1)/n of them for an all-gather, a
+  reduce-scatter or an all-to-all (the rows a rank keeps do not travel) and twice that
+  for an all-reduce, at the intra-node bandwidth when
   its group fits in one node and at the inter-node bandwidth otherwise;
-- FSDP's collectives (dp, dp x cp, hsdp and integer-reshard groups) overlap with
-  compute, so only what exceeds the compute time shows; tensor-parallel, context-parallel
-  (the attention's key/value all-gathers wait for their result), optimizer-phase and the
+- FSDP's collectives (dp, dp x cp, hsdp, the experts' edp and integer-reshard groups)
+  overlap with compute, so only what exceeds the compute time shows; tensor-parallel,
+  context-parallel (the attention's key/value all-gathers wait for their result), expert
+  parallel (each mixture's dispatch and combine: the experts wait for their rows, the
+  next layer for their outputs), optimizer-phase and the
   pipeline group's collectives (a tied weight's gradient summed over its first and last
   stage after the backward; the loss's scalars) sit on the critical path and add in full.
 
@@ -48,7 +51,7 @@ PROFILES = {
     "H200": {"peak_tflops": 989.0, "intra_node_gbps": 450.0, "inter_node_gbps": 50.0},
     "A100": {"peak_tflops": 312.0, "intra_node_gbps": 300.0, "inter_node_gbps": 25.0},
 }
-OVERLAPPED = ("dp", "dp_cp", "hsdp")
+OVERLAPPED = ("dp", "dp_cp", "hsdp", "edp", "edp_cp")
 # How much faster the blocks' linears run with parallel.float8 than in bf16, by recipe: the
 # whole step's change on one NVIDIA H200 (torch 2.11, torchao 0.18, compiled; bench/
 # gpu_throughput.py at 8B:4:8192:1, docs/benchmarks.md "Float8 on one GPU"), divided out over
@@ -96,6 +99,14 @@ def float8_speedup(device: str, recipe: str) -> float:
     return FLOAT8_SPEEDUP[device][recipe]
 
 
+def expert_flops_per_token(model, block_paths: list[str]) -> float:
+    """6 per weight a token multiplies by in the routed experts (a module with an
+    `active_share`: models/moe.py) inside the blocks at `block_paths` of `model`."""
+    from engine.metrics.throughput import matmul_weights
+    return 6.0 * sum(matmul_weights(module) for path in block_paths
+                     for module in model.get_submodule(path).modules() if hasattr(module, "active_share"))
+
+
 def float8_flops_per_token(model, block_paths: list[str], recipe: str) -> float:
     """6 per weight of the linears inside the blocks at `block_paths` (of `model`, converted
     or not): the FLOPs per token that parallel.float8 computes in float8; 0 without it."""
@@ -118,6 +129,13 @@ def group_span(dim: str, spec) -> tuple[int, int]:
         return spec.dp, spec.dp * cp_tp
     if dim == "dp_cp":  # FSDP's shard group with cp
         return spec.shard_size, spec.shard_size * spec.tp
+    # Expert parallel splits dp into (edp, ep), ep inside (parallel/mesh.py).
+    if dim == "ep":
+        return spec.ep, spec.ep * cp_tp
+    if dim == "edp":
+        return spec.dp // spec.ep, spec.dp * cp_tp
+    if dim == "edp_cp":  # the experts' FSDP shard group with cp
+        return spec.dp // spec.ep * spec.cp, spec.dp * cp_tp
     if dim == "hsdp":  # within one pipeline stage's ranks
         return spec.hsdp, spec.world_size // spec.pp
     if dim == "data":
@@ -206,13 +224,17 @@ def message_seconds(nbytes: float, bandwidth: float) -> float:
 
 
 def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profile,
-                  stage_flops: float | None = None, float8_flops: float = 0.0) -> StepEstimate:
+                  stage_flops: float | None = None, float8_flops: float = 0.0,
+                  expert_flops: float = 0.0) -> StepEstimate:
     """`stage_flops`: under pipeline parallel, the FLOPs per token of the stages this rank holds;
-    `float8_flops`: how many of this rank's FLOPs per token run in float8 (float8_flops_per_token)."""
+    `float8_flops`: how many of this rank's FLOPs per token run in float8 (float8_flops_per_token);
+    `expert_flops`: how many are routed experts' (expert_flops_per_token), which the busiest
+    ep rank computes dryrun.expert_load times over."""
     t = cfg.training
     global_tokens = t.global_batch * t.seq_len
     recompute = 4 / 3 if cfg.parallel.activation_checkpoint in ("full", "selective") else 1.0
-    bf16_equivalent = ((stage_flops or flops_per_token) - float8_flops
+    imbalance = (cfg.dryrun.expert_load - 1) * expert_flops if spec.ep > 1 else 0.0
+    bf16_equivalent = ((stage_flops or flops_per_token) - float8_flops + imbalance
                        + float8_flops / float8_speedup(profile.name, cfg.parallel.float8))
     rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * bf16_equivalent / spec.tp
     compute = rank_flops * recompute / (profile.peak_flops * profile.compute_efficiency)

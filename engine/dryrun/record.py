@@ -111,8 +111,16 @@ def mesh_groups(dims) -> dict[tuple[int, ...], str]:
 
 def named_groups(dims) -> dict[str, str]:
     """Group name -> dimension, for the groups that another dimension's ranks may share:
-    context parallel's attention traffic is its own even where FSDP's group has its ranks."""
-    return {dims.cp.get_group().group_name: "cp"} if dims.spec.cp > 1 else {}
+    context parallel's attention traffic is its own even where FSDP's group has its ranks;
+    so are expert parallel's all-to-alls (`ep`) and the FSDP of the experts over the data
+    ranks that ep leaves (`edp`, or `edp_cp` with cp; parallel/mesh.py: ParallelDims.experts)."""
+    names = {dims.cp.get_group().group_name: "cp"} if dims.spec.cp > 1 else {}
+    if dims.ep is not None:
+        names[dims.ep.get_group().group_name] = "ep"
+        shard = dims.expert_fsdp.ndim - 1  # after hsdp, whose group is the world's
+        if dims.expert_fsdp.size(shard) > 1:
+            names[dims.expert_fsdp.get_group(shard).group_name] = "edp_cp" if dims.spec.cp > 1 else "edp"
+    return names
 
 
 class _Phase(TorchFunctionMode):

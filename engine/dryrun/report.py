@@ -14,6 +14,7 @@ from engine.dryrun.estimate import device_profile, float8_speedup
 VERSION = 1
 GIB = 1024 ** 3
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+EXTRA_KINDS = ("all_to_all",)  # a column where the step has them (expert parallel)
 
 
 def as_dict(result, cfg) -> dict:
@@ -104,21 +105,23 @@ def render(result, cfg) -> str:
     parts = ", ".join(f"{name} {nbytes / scale:.3f}" for name, nbytes in result.observed.at_peak.items() if nbytes)
     lines.append(f"  at rank 0's peak: {parts}")
     lines += _stage_roles(result, cfg, scale, unit)
+    kinds_seen = {kind for phases in result.observed.comm.values() for kinds in phases.values() for kind in kinds}
+    columns = KINDS + tuple(kind for kind in EXTRA_KINDS if kind in kinds_seen)
     lines += ["", "communication per step on rank 0 (simulated; count x full buffer)",
-              f"  {'dim':<12}{'phase':<11}" + "".join(f"{k:>22}" for k in KINDS)]
+              f"  {'dim':<12}{'phase':<11}" + "".join(f"{k:>22}" for k in columns)]
     for dim, phases in result.observed.comm.items():
         for phase, kinds in phases.items():
             if phase == "pipeline":  # point to point: in the stage table above
                 continue
             cells = []
-            for kind in KINDS:
+            for kind in columns:
                 v = kinds.get(kind)
                 cells.append(f"{v['count']} x {_size(v['bytes'] / v['count'])}" if v else "-")
             lines.append(f"  {dim:<12}{phase:<11}" + "".join(f"{c:>22}" for c in cells))
     lines += ["", f"step time (analytic, {profile.name}: {profile.peak_flops / 1e12:.0f} TFLOP/s at "
               f"{profile.compute_efficiency:.0%}, {profile.intra_node_bytes_s / 1e9:.0f} GB/s in a node, "
               f"{profile.inter_node_bytes_s / 1e9:.0f} GB/s between nodes of {profile.gpus_per_node}; "
-              f"FSDP traffic overlaps compute; TP, CP, the pipeline group's and the optimizer's does not"
+              f"FSDP traffic overlaps compute; TP, CP, EP, the pipeline group's and the optimizer's does not"
               f"{_float8_note(cfg, profile)})",
               "  comm per dim: " + ", ".join(f"{d} {_time(s)}" for d, s in e.comm_s.items())]
     if result.stage_roles:

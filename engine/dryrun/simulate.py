@@ -2,10 +2,11 @@
 then one observed step under fake tensors (observe.py), then the step-time estimate.
 
 What runs the engine's own code: the mesh, the plan (TP/SP, AC, FSDP with its reshard
-setting, mixed precision, offload, prefetch), the optimizer and train_step, so state
+setting, mixed precision, offload, prefetch, ep), the optimizer and train_step, so state
 bytes, collectives and tracked memory come from the code a real rank runs. What is
 modelled instead: torch.compile (blocks run eagerly; collectives are the same, while
-inductor's fusions would lower activation memory and time) and the step time
+inductor's fusions would lower activation memory and time), a mixture of experts'
+routing (the rows per expert at dryrun.expert_load: prepare_experts) and the step time
 (estimate.py). The full step is simulated for rank 0; the other distinct roles (first
 and last coordinates of dp and tp, which hold different shard sizes when a dimension
 does not divide evenly) get their own parameters and optimizer state, and rank 0's
@@ -129,6 +130,7 @@ def pipeline_ranks(cfg, spec, n_layers: int = 0) -> dict[int, list[int]]:
 
 def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
     """This rank's model after the plan, on meta, and its mesh (`n_layers` > 0: that depth)."""
+    from engine import routing
     from models import build_on_meta
     from parallel.apply import apply_plan
     from parallel.mesh import build_mesh
@@ -137,10 +139,39 @@ def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
     enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
+    prepare_experts(model, cfg.dryrun.expert_load, spec.ep)
     # A GPU job: float8 linears take the GPU's path (torch._scaled_mm, which fake tensors
     # run anywhere), not the CPU's emulation, whose dequantised copies a GPU never makes.
-    return apply_plan(model, plan_of(cfg), dims, cfg.parallel, cfg.prefetch,
-                      emulate_float8=False).model, dims
+    model = apply_plan(model, plan_of(cfg), dims, cfg.parallel, cfg.prefetch, emulate_float8=False).model
+    routing.configure(model, cfg.moe, (dims.cp.get_group(), spec.cp) if spec.cp > 1 else None)
+    return model, dims
+
+
+def prepare_experts(model, load: float, ep: int) -> None:
+    """What a mixture of experts learns when it is materialised and when it routes, which a
+    model of fake tensors does neither of: each MoE gets the rows per expert to simulate
+    (models/moe.py: assumed_sizes), and each experts module the dtypes its grouped GEMM
+    takes where the kernel runs (its meta kernel's: a GPU job's, and the CPU's where a
+    real run on this torch takes it too; on torch 2.15 a CPU run's fp32 experts took it
+    and their step's peak was 10% under the loop's)."""
+    from models.moe import Experts, MoE, grouped_gemm_works
+    mixtures = [module for module in model.modules() if isinstance(module, MoE)]
+    if not mixtures:
+        return
+    check_expert_load(load, ep)
+    grouped = frozenset(dtype for dtype in (torch.float32, torch.bfloat16)
+                        if grouped_gemm_works(torch.device("meta"), dtype))
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.assumed_load = (load, ep)
+        if isinstance(module, Experts):
+            module.grouped_dtypes = grouped
+
+
+def check_expert_load(load: float, ep: int) -> None:
+    if not 1 <= load <= ep:
+        raise UserError(f"dryrun.expert_load={load} must be between 1 (every ep rank gets as many routed rows) "
+                        f"and ep={ep} (one rank gets them all): it is the busiest ep rank's rows over the mean.")
 
 
 def to_fake(model) -> None:
@@ -239,20 +270,23 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False)
 def stage_role(model, pp_rank: int, observed: Observation, whole_fpt: float, cfg, spec, profile) -> StageRole:
     """A simulated rank's step time: without pp the whole model's FLOPs; with pp those of
     the stages the rank holds, plus the schedule's bubble and its point-to-point traffic."""
-    from engine.dryrun.estimate import float8_flops_per_token, stage_flops_per_token
+    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token, stage_flops_per_token
     from parallel.pipeline import whole_model
     from parallel.plan import expand, plan_of
 
     pipeline = getattr(model, "pipeline", None)
     if pipeline is None:
         plan = plan_of(cfg)
-        float8 = float8_flops_per_token(model, expand(model, plan.blocks, plan.name), cfg.parallel.float8)
+        blocks = expand(model, plan.blocks, plan.name)
         return StageRole(0, [0], 0, observed, whole_fpt,
-                         estimate_step(observed.comm, whole_fpt, cfg, spec, profile, float8_flops=float8))
+                         estimate_step(observed.comm, whole_fpt, cfg, spec, profile,
+                                       float8_flops=float8_flops_per_token(model, blocks, cfg.parallel.float8),
+                                       expert_flops=expert_flops_per_token(model, blocks)))
     whole = whole_model(model)
     fpt = stage_flops_per_token(whole, pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices,
                                 cfg.training.seq_len)
     held = [path for stage in pipeline.stage_indices for path in pipeline.stage_blocks[stage]]
-    float8 = float8_flops_per_token(whole, held, cfg.parallel.float8)
     return StageRole(pp_rank, list(pipeline.stage_indices), len(held), observed, fpt,
-                     estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt, float8_flops=float8))
+                     estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt,
+                                   float8_flops=float8_flops_per_token(whole, held, cfg.parallel.float8),
+                                   expert_flops=expert_flops_per_token(whole, held)))

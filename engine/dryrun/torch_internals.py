@@ -92,13 +92,21 @@ def start_fake_world(world_size: int, rank: int) -> None:
     equal to this one's and name its destroyed groups (a second simulated rank of the same
     layout, as under pipeline parallel, then failed with "Could not resolve the process
     group")."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
     _load("torch.testing._internal.distributed.fake_pg", "FakeStore")
+    clear_sharding_cache()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+
+
+def clear_sharding_cache() -> None:
+    """Drop DTensor's cached sharding decisions, which keep the meshes they were made on: a
+    later mesh that compares equal (same ranks, same dimension names) gets an earlier mesh's
+    process groups. A process that builds one mesh after another needs this between them
+    (tests/dryrun_worker.py: there a gradient's all-reduce ran on an earlier layout's ep group)."""
+    import torch
+    from torch.distributed.tensor import DTensor
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
 def fake_tensor_mode():

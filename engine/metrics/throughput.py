@@ -53,8 +53,12 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return float(6 * matmul_weights(model) + attention)
 
 
-def matmul_weights(model: nn.Module) -> int:
-    """The parameters `model` multiplies by: all but those only looked up (embeddings)."""
+def matmul_weights(model: nn.Module) -> float:
+    """The parameters a token of `model` multiplies by: all but those only looked up
+    (embeddings), and of a module that declares an `active_share` (a mixture's routed
+    experts, models/moe.py: top_k of n_experts) that share of its own."""
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_weights
-    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    share = {id(p): m.active_share for m in model.modules() if hasattr(m, "active_share")
+             for p in m.parameters(recurse=False)}
+    return sum(p.numel() * share.get(id(p), 1) for p in model.parameters() if id(p) not in lookups)
