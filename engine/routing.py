@@ -64,28 +64,50 @@ def begin_step(model: nn.Module, slices: int) -> None:
         module.slices = slices
 
 
-def finish_step(model: nn.Module, data_group, stages, everywhere: bool, tokens_per_step: int) -> dict | None:
+def finish_step(model: nn.Module, data_group, stages, whole: nn.Module, inputs: torch.Tensor) -> dict | None:
     """After a step's backward: this step's totals of each routed layer summed over the data
     ranks (hsdp x dp x cp), each router's bias moved by them, and, with `stages` (the
-    pipeline group), the layers of every stage gathered; returns each layer's figures
-    (`summary`). `everywhere`: whether the whole model has routed layers (a pipeline stage
-    may hold none, and still takes part)."""
+    pipeline group), the layers of every stage brought to every rank; returns each layer's
+    figures (`summary`), or None where `whole` (the whole model: under pp, every stage's
+    layers) has no routed layer. `inputs`: this rank's rows of the step.
+
+    Across stages the totals travel as one all-reduce of every routed layer's totals laid
+    end to end, each stage filling its own layers' places: plain tensors, so a dry run's
+    fake ones take the same path (an all_gather_object of the figures could not)."""
+    everywhere = [(name, getattr(module, TOTALS).numel()) for name, module in routed_layers(whole)]
     if not everywhere:
         return None
+    rows = {}
     layers = routed_layers(model)
-    totals = {}
     if layers:
         summed = torch.stack([getattr(module, TOTALS) for _, module in layers])
         if data_group is not None:
             dist.all_reduce(summed, group=data_group)
         for (name, module), row in zip(layers, summed):
             module.balance(row[:-4])
-            totals[name] = summary(row.tolist(), tokens_per_step)
+            rows[name] = row
     if stages is not None:
-        parts = [None] * dist.get_world_size(stages)
-        dist.all_gather_object(parts, totals, group=stages)
-        totals = {name: row for part in parts for name, row in part.items()}
+        rows = _every_stage(rows, everywhere, stages, inputs.device)
+    tokens_per_step = tokens_in_step(inputs, data_group)
+    totals = {name: summary(row.tolist(), tokens_per_step) for name, row in rows.items()}
     return dict(sorted(totals.items(), key=lambda item: _layer_order(item[0])))
+
+
+def _every_stage(rows: dict, everywhere: list[tuple[str, int]], stages, device) -> dict:
+    """Each stage's rows (name -> totals) -> every routed layer's, on every stage."""
+    place, end = {}, 0
+    for name, size in everywhere:
+        place[name] = (end, end + size)
+        end += size
+    missing = sorted(set(rows) - set(place))
+    if missing:
+        raise RuntimeError(f"routed layers {missing} of a pipeline stage are not in the whole model's "
+                           f"{sorted(place)}: a stage's layer paths must be the whole model's")
+    laid_out = torch.zeros(end, device=device)
+    for name, row in rows.items():
+        laid_out[place[name][0]:place[name][1]] = row.to(laid_out)
+    dist.all_reduce(laid_out, group=stages)
+    return {name: laid_out[start:stop] for name, (start, stop) in place.items()}
 
 
 def tokens_in_step(inputs, data_group) -> int:

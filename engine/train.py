@@ -187,9 +187,7 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
     loss = global_mean(local_loss, data_group, pipeline_group(model))
-    routed = routing.finish_step(model, data_group, pipeline_group(model),
-                                 bool(routing.routed_layers(whole_model(model))),
-                                 routing.tokens_in_step(inputs, data_group))
+    routed = routing.finish_step(model, data_group, pipeline_group(model), whole_model(model), inputs)
     computed = time.perf_counter()
     if inspect_grads is not None:
         inspect_grads(model)

@@ -79,19 +79,14 @@ def is_rank_zero() -> bool:
 
 
 def check_simulated_model(model, cfg, spec, plan_for: bool) -> None:
-    """A mixture of experts is simulated at an assumed load (dryrun.expert_load), without
-    pp; the planner does not search ep yet."""
+    """A mixture of experts is simulated at an assumed load (dryrun.expert_load); the
+    planner does not search ep yet."""
     from models.moe import MoE
     if not any(isinstance(module, MoE) for module in model.modules()):
         return
     if plan_for:
         raise UserError(f"--plan-for does not search a mixture of experts' layouts yet (model {cfg.model.name!r}): ep is not "
                         f"one of its dimensions. Compare layouts with --dry-run --world N --mesh ..., ep included.")
-    if spec.pp > 1:
-        raise UserError(f"--dry-run does not simulate a mixture of experts under pp={spec.pp} yet: after each step "
-                        f"the pipeline stages gather their routing figures as Python objects, which a simulated step "
-                        f"has no values for. Simulate the same mesh without pp for its per-block memory and "
-                        f"all-to-alls, or train it and read metrics.jsonl.")
     from engine.dryrun.simulate import check_expert_load
     check_expert_load(cfg.dryrun.expert_load, spec.ep)
 
