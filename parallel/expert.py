@@ -83,13 +83,14 @@ def dispatch_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.T
     if sizes is None:
         sent = counts.view(ep, local).sum(1).tolist()
         received_per_rank = received_counts.view(ep, local)
+        received_rows = received_per_rank.sum(1).tolist()
         local_sizes = None
     else:
         sent = [sum(sizes[rank * local:(rank + 1) * local]) for rank in range(ep)]
-        mine = sizes[dist.get_rank(group) * local:][:local]
+        mine = sizes[dist.get_rank(group) * local:(dist.get_rank(group) + 1) * local]
         received_per_rank = torch.tensor([mine] * ep, dtype=counts.dtype, device=counts.device)
+        received_rows = [sum(mine)] * ep
         local_sizes = [size * ep for size in mine]
-    received_rows = received_per_rank.sum(1).tolist() if sizes is None else [sum(mine)] * ep
     received = exchange(x, received_rows, sent, group)
     # Received rows come by source rank, then local expert: sort them by local expert.
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep),
