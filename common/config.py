@@ -170,6 +170,9 @@ class DryRunConfig:
     gpu_memory_gib: float = 80.0  # --plan-for: each GPU's memory; 10% is kept for what is not a tensor
     top: int = 5  # --plan-for: how many of the best layouts to print as command lines
     pp: str = "1,2,4,8,16"  # --plan-for: the pipeline sizes to search, comma-separated ("1": no pipeline)
+    # --plan-for, a mixture of experts: the ep degrees to search, comma-separated; each mesh takes those that divide
+    # its dp and the experts. "": 1, the largest within a node and the largest of all (search.expert_degrees)
+    ep: str = ""
     # --plan-for: processes that run the search jobs side by side; 0: one per CPU core, at most 4 (each holds
     # a few GB at 405B: 3.2 to 4.5 GB resident, docs/planning.md)
     search_workers: int = 0
@@ -284,6 +287,9 @@ _LISTS = {
                                         "3,2,2,3; 0 only for a first or last stage), or nothing for the even split"),
     ("dryrun", "pp"): (False, 1, "the pipeline sizes --plan-for searches, comma-separated positive whole numbers "
                                  "(e.g. 1,2,4,8,16; 1 alone: no pipeline parallel)"),
+    ("dryrun", "ep"): (True, 1, "the ep degrees --plan-for searches for a mixture of experts, comma-separated "
+                                "positive whole numbers (e.g. 1,8,64), or nothing for 1, the largest within a "
+                                "node and the largest of all"),
 }
 
 

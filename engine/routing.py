@@ -93,6 +93,12 @@ def finish_step(model: nn.Module, data_group, stages, whole: nn.Module, inputs: 
     return dict(sorted(totals.items(), key=lambda item: _layer_order(item[0])))
 
 
+def stages_all_reduce_bytes(whole: nn.Module) -> int:
+    """The bytes of finish_step's all-reduce over the pipeline stages: every routed layer of
+    the whole model `whole`, whichever stages a rank holds."""
+    return sum(getattr(module, TOTALS).numel() for _, module in routed_layers(whole)) * torch.zeros(0).element_size()
+
+
 def _every_stage(rows: dict, everywhere: list[tuple[str, int]], stages, device) -> dict:
     """Each stage's rows (name -> totals) -> every routed layer's, on every stage."""
     place, end = {}, 0

@@ -80,15 +80,18 @@ def is_rank_zero() -> bool:
 
 def check_simulated_model(model, cfg, spec, plan_for: bool) -> None:
     """A mixture of experts is simulated at an assumed load (dryrun.expert_load); the
-    planner does not search ep yet."""
+    planner takes it, or ep where that is less, at each ep degree it searches."""
     from models.moe import MoE
     if not any(isinstance(module, MoE) for module in model.modules()):
         return
-    if plan_for:
-        raise UserError(f"--plan-for does not search a mixture of experts' layouts yet (model {cfg.model.name!r}): ep is not "
-                        f"one of its dimensions. Compare layouts with --dry-run --world N --mesh ..., ep included.")
     from engine.dryrun.simulate import check_expert_load
-    check_expert_load(cfg.dryrun.expert_load, spec.ep)
+    if plan_for:
+        if not cfg.dryrun.expert_load >= 1:
+            raise UserError(f"dryrun.expert_load={cfg.dryrun.expert_load} must be at least 1 (every ep rank gets as many "
+                            f"routed rows): it is the busiest ep rank's rows over the mean, which --plan-for takes at "
+                            f"each ep degree it searches, or ep where that is less.")
+    else:
+        check_expert_load(cfg.dryrun.expert_load, spec.ep)
 
 
 def check(args: argparse.Namespace, world_size: int | None):
@@ -150,10 +153,9 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     if cfg.checkpoint.hf_export:
         from engine.checkpoint.hf import check_hf_export
         check_hf_export(model, cfg.checkpoint.hf_export)
-    if spec.ep > 1:
-        from parallel.expert import check_expert_parallel
-        check_expert_parallel(model, plan, spec.ep, spec.dp,
-                              resolve_reshard(cfg.parallel.reshard_after_forward, spec))
+    from parallel.expert import check_expert_parallel
+    check_expert_parallel(model, plan, spec.ep, spec.dp, resolve_reshard(cfg.parallel.reshard_after_forward, spec),
+                          spec.shard_size)
     if spec.tp > 1:
         validate_plan(model, plan, tensor_parallel_styles(model, plan, cfg.parallel), spec.tp,
                       cfg.parallel.sequence_parallel)

@@ -33,19 +33,30 @@ def model_args(name: str, flavor: str):
     return flavors[flavor]
 
 
-def build_on_meta(name: str, flavor: str, n_layers: int = 0) -> torch.nn.Module:
+def build_on_meta(name: str, flavor: str, n_layers: int = 0, dense_layers: int | None = None) -> torch.nn.Module:
     """The model with every parameter on the meta device: no memory is used yet.
-    `n_layers` > 0 builds the flavor with that many blocks instead (a reduced depth)."""
+    `n_layers` > 0 builds the flavor with that many blocks instead (a reduced depth);
+    `dense_layers` sets how many of them lead (leading_blocks), for the planner's short
+    models, which place them where the full model has them."""
     args = model_args(name, flavor)
     if n_layers:
         args = with_depth(args, n_layers, f"{name}/{flavor}")
+    if dense_layers is not None and dense_layers != leading_blocks(args):
+        args = dataclasses.replace(args, dense_layers=dense_layers)
     with torch.device("meta"):
         return MODELS[name][0](args)
 
 
+def leading_blocks(args) -> int:
+    """The first blocks that differ from the rest: a flavor's `dense_layers` (dense
+    feed-forwards before a mixture of experts', as DeepSeek-V3's first 3), else none.
+    The planner, which extrapolates from a few alike blocks, keeps them apart."""
+    return getattr(args, "dense_layers", 0)
+
+
 def with_depth(args, n_layers: int, what: str):
-    """The same model args with `n_layers` blocks; the args must be a dataclass with an
-    `n_layers` field no smaller than the request."""
+    """The same model args with `n_layers` blocks, as many leading blocks kept as fit; the
+    args must be a dataclass with an `n_layers` field no smaller than the request."""
     depth = getattr(args, "n_layers", None)
     if not dataclasses.is_dataclass(args) or not isinstance(depth, int):
         raise UserError(f"{what} has no n_layers in its args, so its depth cannot be reduced. "
@@ -53,4 +64,6 @@ def with_depth(args, n_layers: int, what: str):
     if n_layers > depth:
         raise UserError(f"parity.layers={n_layers} is deeper than {what}, which has {depth} blocks. "
                         f"Use 1 to {depth}, or 0 for the full depth.")
+    if leading_blocks(args) > n_layers:
+        args = dataclasses.replace(args, dense_layers=n_layers)
     return dataclasses.replace(args, n_layers=n_layers)

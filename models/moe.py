@@ -85,6 +85,9 @@ FLAVORS["debug-moe-sigmoid"] = dataclasses.replace(FLAVORS["debug-moe"], router=
 FLAVORS["debug-moe-2"] = dataclasses.replace(FLAVORS["debug-moe"], n_experts=2, top_k=1, router="sigmoid")
 # 8 blocks, as the dense debug-deep: a pipeline of 2 stages per rank with an uneven split.
 FLAVORS["debug-moe-deep"] = dataclasses.replace(FLAVORS["debug-moe"], n_layers=8)
+# DeepSeek-V3's pattern at CPU scale, 2 dense blocks before 6 of experts: the planner keeps
+# such leading blocks where the model has them (engine/dryrun/search.py).
+FLAVORS["debug-moe-deep-dense"] = dataclasses.replace(FLAVORS["debug-moe-deep"], dense_layers=2, router="sigmoid")
 
 
 def check_args(args: MoEArgs, what: str) -> None:

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
-from parallel.expert import apply_expert_parallel
+from parallel.expert import apply_expert_parallel, expert_paths as all_expert_paths
 from parallel.float8 import check_shapes, convert_to_float8, float8_linears
 from parallel.mesh import ParallelDims
 from parallel.pipeline import ZERO_BUBBLE, build_pipeline, join_parts, split_into_parts
@@ -296,7 +296,8 @@ def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
 
 
 def expert_placement(experts: nn.Module, shard_ranks: int):
-    """FSDP's placement for an experts module's weights (experts first, each rank's ep share):
+    """FSDP's placement for an experts module's weights (experts first: each rank's ep share,
+    or all of them without ep):
     by expert where this rank's experts divide over FSDP's shard ranks, else along each
     expert's rows. FSDP pads the sharded dimension to a multiple of its ranks, so sharding
     1 expert by expert over 8 ranks pads it to 8: the first rank holds the whole expert and
@@ -310,12 +311,16 @@ def expert_placement(experts: nn.Module, shard_ranks: int):
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,
-               reshard: bool | int, post_forward_mesh=None, expert_modules: list[nn.Module] = ()) -> int:
+               reshard: bool | int, post_forward_mesh=None, expert_modules: list[nn.Module] = (),
+               unsplit_experts: list[nn.Module] = ()) -> int:
     """`post_forward_mesh`: the engine's own, for an integer reshard that fully_shard cannot
     apply by itself (parallel/reshard.py). `expert_modules`: split over ep, sharded over
     their own mesh (an integer reshard is refused with ep up front), or left out of FSDP
-    where shard_experts says so. Returns how many units reduce their gradients in place."""
+    where shard_experts says so. `unsplit_experts` (without ep): sharded with their block,
+    placed as expert_placement says. Returns how many units reduce their gradients in place."""
     policies = fsdp_policies(options, dims.device_type)
+    placed = {param: expert_placement(experts, dims.fsdp.shape[-1])(param)
+              for experts in unsplit_experts for param in experts.parameters(recurse=False)}
     sharded = shard_experts(dims, options)
     left_out = set() if sharded else {param for module in expert_modules for param in module.parameters()}
     units = []
@@ -326,7 +331,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, op
                         shard_placement_fn=expert_placement(experts, dims.expert_fsdp.shape[-1]), **policies)
             units.append((experts, dims.expert_fsdp))
         fully_shard(block, mesh=dims.fsdp, reshard_after_forward=True if post_forward_mesh is not None else reshard,
-                    ignored_params=left_out, **policies)
+                    ignored_params=left_out, shard_placement_fn=placed.get if placed else None, **policies)
         units.append((block, dims.fsdp))
         if post_forward_mesh is not None:
             install_post_forward_mesh(block, post_forward_mesh)
@@ -383,6 +388,7 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
     sharded_experts = shard_experts(dims, options)
     expert_paths = (apply_expert_parallel(model, plan, dims.ep, None if sharded_experts else
                                           getattr(torch, options.param_dtype)) if dims.spec.ep > 1 else [])
+    unsplit = [] if dims.spec.ep > 1 else [model.get_submodule(path) for path in all_expert_paths(model, plan)]
     applied.experts += expert_paths
     applied.experts_sharded = sharded_experts
     checkpointed, recomputed = apply_activation_checkpoint(paths, model, plan, options, dims.spec.pp, cp_cores,
@@ -393,7 +399,7 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
         apply_compile(model, blocks, list(tp_styles), paths, dims)
         applied.compiled += paths
     applied.reduced_in_place += apply_fsdp(model, blocks, dims, options, applied.block_reshard, post_forward_mesh,
-                                           [model.get_submodule(path) for path in expert_paths])
+                                           [model.get_submodule(path) for path in expert_paths], unsplit)
     if prefetch is not None:
         apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
 

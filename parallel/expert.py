@@ -111,10 +111,11 @@ def expert_paths(model: nn.Module, plan: Plan) -> list[str]:
     return expand(model, plan.experts, plan.name) if plan.experts else []
 
 
-def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, reshard) -> None:
+def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, reshard, shard_ranks: int) -> None:
     """Refuse ep where it cannot split, before any process group (exit 2). `reshard`: the
-    blocks' resolved reshard_after_forward."""
+    blocks' resolved reshard_after_forward; `shard_ranks`: FSDP's (dp x cp)."""
     if ep == 1:
+        check_unsplit_experts(model, plan, reshard, shard_ranks)
         return
     if dp % ep:
         raise UserError(f"ep={ep} borrows its ranks from dp, so it must divide dp={dp}. Choose ep from the "
@@ -133,6 +134,22 @@ def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, reshar
         if n_experts % ep:
             raise UserError(f"ep={ep} must divide the number of experts, {n_experts} in {path}. Choose ep "
                             f"from the divisors of {n_experts}.")
+
+
+def check_unsplit_experts(model: nn.Module, plan: Plan, reshard, shard_ranks: int) -> None:
+    """Without ep, experts that do not divide over FSDP's ranks are sharded along their rows
+    (parallel/apply.py: expert_placement), which torch's FSDP reshards after forward to
+    true or false only: an integer reshard fails in backward (torch 2.13: an IndexError in
+    FSDP's all-gather copy-out)."""
+    if isinstance(reshard, bool):
+        return
+    for path in expert_paths(model, plan):
+        n_experts = model.get_submodule(path).w13.shape[0]
+        if n_experts % shard_ranks:
+            raise UserError(f"reshard_after_forward={reshard} (an integer reshard) does not run with experts that "
+                            f"FSDP shards along their rows: the {n_experts} experts of {path} do not divide over its "
+                            f"{shard_ranks} ranks (dp x cp). Set parallel.reshard_after_forward to true or false, or "
+                            f"add ep to --mesh (a divisor of {n_experts} and of dp).")
 
 
 def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh, compute_dtype: torch.dtype | None = None) -> list[str]:

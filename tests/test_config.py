@@ -43,6 +43,8 @@ def test_yaml_text_that_is_a_number_where_one_is_expected():
     ("parallel.pp_split=-2", "blocks of each pipeline stage"),
     ("dryrun.pp=", "the pipeline sizes --plan-for searches"),
     ("dryrun.pp=1,x", "the pipeline sizes --plan-for searches"),
+    ("dryrun.ep=0", "the ep degrees --plan-for searches"),
+    ("dryrun.ep=8,", "the ep degrees --plan-for searches"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(UserError) as err:

@@ -294,6 +294,17 @@ EXTRAPOLATED = [  # ranks of the fake process group, as many as each mesh names
     ("pp=2,dp=2", ["model.flavor=debug-deep", "training.seq_len=32", "training.global_batch=8",
                    "training.micro_batches=4", "parallel.pp_schedule=Interleaved1F1B",
                    "parallel.pp_stages_per_rank=5"]),
+    # A mixture of experts whose first 2 blocks are dense (DeepSeek-V3's pattern): without pp
+    # from 5 and 6 blocks (the dense ones and 3 or 4 of experts); under pp each short pipeline
+    # keeps the dense blocks where the layout's stages have them: in the first stage's role
+    # only (1F1B, the middle role's short pipelines all experts), and one in each rank's
+    # second-held stage or first (about one block per stage).
+    ("dp=4,ep=2", ["model.name=llama_moe", "model.flavor=debug-moe-deep-dense", "training.seq_len=32"]),
+    ("pp=4,dp=2,ep=2", ["model.name=llama_moe", "model.flavor=debug-moe-deep-dense", "training.seq_len=32",
+                        "training.global_batch=16", "training.micro_batches=8"]),
+    ("pp=2,dp=2,ep=2", ["model.name=llama_moe", "model.flavor=debug-moe-deep-dense", "training.seq_len=32",
+                        "training.global_batch=8", "training.micro_batches=4", "parallel.pp_schedule=Interleaved1F1B",
+                        "parallel.pp_stages_per_rank=5"]),
 ]
 
 
@@ -505,7 +516,7 @@ def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monke
     def roles(cfg, layout, world, depth, seen=None):
         for peak in (5, 50, 7):
             simulated.append(peak)
-            yield Observation(0, 0, 0, peak, {}), 1.0, 0.0
+            yield Observation(0, 0, 0, peak, {}), 1.0, 0.0, 0.0
 
     monkeypatch.setattr(search, "observe_stage_roles", roles)
     monkeypatch.setattr(search, "layout_config", lambda cfg, layout: cfg)
@@ -529,7 +540,7 @@ def test_the_probe_and_the_ladder_simulate_each_stage_role_of_a_layout_once(monk
     from parallel.mesh import MeshSpec
 
     simulated = []
-    monkeypatch.setattr(search, "observe_blocks", lambda cfg, layout, world, rank, blocks: (
+    monkeypatch.setattr(search, "observe_blocks", lambda cfg, layout, world, rank, blocks, leading, depth: (
         simulated.append(rank) or Observation(0, 0, 0, 1, {})))
     layout = search.Layout(MeshSpec(dp=2, pp=4), "true", "full", 4)
     cfg = search.layout_config(load_config(DEFAULT_CONFIG), layout)

@@ -190,7 +190,10 @@ def test_flops_count_the_experts_a_token_uses_in_the_model_and_in_each_pipeline_
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (("--plan-for", "--world", "8"), ("does not search a mixture of experts' layouts yet", "--dry-run --world N")),
+    (("--plan-for", "--world", "8", "--set", "dryrun.ep=1,x"), ("dryrun.ep", "the ep degrees --plan-for searches")),
+    (("--dry-run", "--world", "16", "--mesh", "dp=16", "--set", "parallel.reshard_after_forward=2"),
+     ("reshard_after_forward=2 (an integer reshard)", "do not divide over its 16 ranks", "add ep to --mesh")),
+    (("--plan-for", "--world", "8", "--set", "dryrun.expert_load=0.5"), ("dryrun.expert_load=0.5 must be at least 1",)),
     (("--dry-run", "--world", "8", "--mesh", "dp=8,ep=2", "--set", "dryrun.expert_load=3"),
      ("dryrun.expert_load=3.0 must be between 1", "ep=2")),
     (("--dry-run", "--world", "8", "--mesh", "dp=8", "--set", "dryrun.expert_load=0.5"),
@@ -305,26 +308,87 @@ def test_expert_figures_reach_the_step_log_metrics_and_tensorboard_from_every_st
     assert [e.step for e in events.Scalars("experts/layers.3.feed_forward/max_over_mean")] == [0, 1, 2]
 
 
-def test_one_expert_per_ep_rank_is_sharded_along_its_rows_not_padded_to_one_expert_per_fsdp_rank(tmp_path):
-    """Mixtral 8x7B at dp=64,ep=8: each ep rank's one expert over 8 expert-data ranks
-    (parallel/apply.py: expert_placement). The dry run (torch's fake process group) counts
-    what each rank holds and gathers: by expert, FSDP padded the expert to 8, rank 0 held
-    21.1 GiB of parameters and rank 63 0.19 GiB of optimizer state, and each all-gather
-    moved 8 experts."""
+@pytest.mark.parametrize("mesh", ["dp=64,ep=8", "dp=64"])
+def test_experts_that_do_not_divide_over_fsdp_ranks_are_sharded_along_their_rows_not_padded(tmp_path, mesh):
+    """Mixtral 8x7B at dp=64,ep=8: each ep rank's one expert over 8 expert-data ranks; at
+    dp=64 without ep, 8 experts over 64 ranks (parallel/apply.py: expert_placement). The
+    dry run (torch's fake process group) counts what each rank holds and gathers: by
+    expert, FSDP padded the experts to one per rank. With ep, rank 0 held 21.1 GiB of
+    parameters and rank 63 0.19 GiB of optimizer state, and each all-gather moved 8
+    experts; without ep (Mixtral 8x22B at dp=128), rank 0 held 63.2 GiB of parameters and
+    126.3 GiB of optimizer state, rank 127 0.31 GiB of optimizer state."""
     import json
     import subprocess
     import sys
     report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "launch/run.py", "--dry-run", "--world", "64", "--mesh", "dp=64,ep=8",
+    subprocess.run([sys.executable, "launch/run.py", "--dry-run", "--world", "64", "--mesh", mesh,
                     "--set", "model.name=llama_moe", "--set", "model.flavor=mixtral-8x7B", "--set",
                     "parallel.plan=llama_moe", "--set", "parallel.param_dtype=bfloat16", "--set",
                     "training.seq_len=128", "--set", "training.global_batch=64", "--set", f"dryrun.report={report}"],
                    check=True, capture_output=True)
     result = json.loads(report.read_text())
-    assert len({role["param_bytes"] for role in result["roles"]}) == 1
-    optimizer = [role["optimizer_bytes"] for role in result["roles"]]  # 5.438 and 5.437 GiB: not the experts
-    assert max(optimizer) < 1.001 * min(optimizer)
+    params = [role["param_bytes"] for role in result["roles"]]
+    optimizer = [role["optimizer_bytes"] for role in result["roles"]]  # with ep 5.438 and 5.437 GiB: not the experts
+    assert max(params) < 1.001 * min(params) and max(optimizer) < 1.001 * min(optimizer)
     args = FLAVORS["mixtral-8x7B"]
     one_expert_bf16 = 3 * args.dim * args.ffn_hidden * 2
-    gathered = result["comm"]["edp"]["forward"]["all_gather"]
-    assert gathered["bytes"] == gathered["count"] * one_expert_bf16
+    if "ep=" in mesh:
+        gathered = result["comm"]["edp"]["forward"]["all_gather"]
+        assert gathered["bytes"] == gathered["count"] * one_expert_bf16
+
+
+@pytest.mark.parametrize("flavor, mesh, chosen, expected", [
+    ("mixtral-8x7B", dict(dp=64), "", [1, 8]),  # 8 experts: within a node is all of them
+    ("mixtral-8x7B", dict(dp=16, tp=2), "", [1, 4, 8]),  # ep=8 x tp=2 spans 16 ranks, 2 nodes
+    ("deepseek-v3-gqa", dict(dp=128, pp=16), "", [1, 8, 128]),
+    ("deepseek-v3-gqa", dict(dp=128, pp=16), "1,64,512", [1, 64]),  # 512 divides neither dp nor 256 experts
+    ("debug-moe", dict(dp=6), "", [1, 2]),  # 3 does not divide 8 experts
+])
+def test_the_planner_searches_ep_at_1_within_a_node_and_at_the_most(flavor, mesh, chosen, expected):
+    """engine/dryrun/search.py: expert_degrees (no process group)."""
+    from common.config import load_config
+    from engine.dryrun.search import expert_degrees
+    from launch.run import DEFAULT_CONFIG
+    from parallel.mesh import MeshSpec
+    cfg = load_config(DEFAULT_CONFIG, ["model.name=llama_moe", f"model.flavor={flavor}", f"dryrun.ep={chosen}"])
+    assert expert_degrees(cfg, MeshSpec(**mesh)) == expected
+    assert expert_degrees(load_config(DEFAULT_CONFIG, []), MeshSpec(**mesh)) == [1]
+
+
+def test_plan_for_a_mixture_of_experts_ranks_ep_layouts_and_the_best_trains(tmp_path):
+    """--plan-for searches ep beside the other dimensions; the layouts are simulated at the
+    load asked, or at ep where that is less (a real run of the best command follows)."""
+    import json
+    import shlex
+    from tests.distributed import launcher
+    report = tmp_path / "plan.json"
+    model = ["--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe", "--set", "training.seq_len=64",
+             "--set", "training.global_batch=8"]
+    result = launcher("--plan-for", "--world", "4", *model, "--set", "dryrun.pp=1", "--set", "dryrun.expert_load=4",
+                      "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    layouts = json.loads(report.read_text())["layouts"]
+    meshes = {layout["mesh"] for layout in layouts}
+    assert {"dp=4", "dp=4,ep=4", "dp=2,ep=2,tp=2"} <= meshes, meshes
+    assert not any("reshard_after_forward=2" in " ".join(layout["overrides"]) and "ep=" in layout["mesh"]
+                   for layout in layouts)
+    best = next(line for line in result.stdout.splitlines() if line.strip().startswith("python launch/run.py"))
+    trained = launcher(*shlex.split(best.strip())[2:], "--set", "training.steps=1", "--set", f"run.dir={tmp_path / 'run'}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "done: 1 steps" in trained.stdout
+
+
+def test_the_planner_offers_deepseek_v3s_published_mesh_under_pp():
+    """Under pp the search takes the largest tp, and for a model with experts no tp as well
+    (engine/dryrun/search.py: meshes): DeepSeek-V3's pp=16, ep=64 over dp=128 (no process group)."""
+    from common.config import load_config
+    from engine.dryrun.search import meshes
+    from launch.run import DEFAULT_CONFIG
+    from parallel.mesh import MeshSpec
+    cfg = load_config(DEFAULT_CONFIG, ["model.name=llama_moe", "model.flavor=deepseek-v3-gqa", "training.seq_len=4096",
+                                       "dryrun.pp=16", "dryrun.ep=1,64"])
+    found = meshes(cfg, 2048, 61)
+    assert MeshSpec(pp=16, dp=128, ep=64) in found and MeshSpec(pp=16, dp=16, tp=8) in found
+    assert not any(spec.tp in (2, 4) for spec in found)
+    dense = load_config(DEFAULT_CONFIG, ["model.flavor=8B", "dryrun.pp=16"])
+    assert {spec.tp for spec in meshes(dense, 2048, 32)} == {8}

@@ -62,6 +62,9 @@ MATRIX = {
     # to 2 experts (parallel/apply.py: expert_placement).
     "moe-expert-rows-sharded": ("dp=4,ep=2", ("model.name=llama_moe", "model.flavor=debug-moe-2",
                                               "parallel.plan=llama_moe", "parity.layers=2")),
+    # Without ep, the 2 experts sharded with their block over 4 ranks, along their rows.
+    "moe-expert-rows-sharded-without-ep": ("dp=4", ("model.name=llama_moe", "model.flavor=debug-moe-2",
+                                                    "parallel.plan=llama_moe", "parity.layers=2")),
 }
 
 

@@ -7,7 +7,10 @@ pattern apart (3 and 4 blocks; 3 or 4 and 2 more with selective AC every 2nd blo
 and extrapolated to its full depth: the blocks are identical, so state bytes and
 collectives grow by the same amount with each period, and so does each phase's peak
 once the model is a few blocks deep (tests/test_dryrun.py checks the extrapolation
-against a simulation at full depth).
+against a simulation at full depth). A model's leading blocks, which differ from the
+rest (models.leading_blocks: DeepSeek-V3's 3 dense ones), are simulated as they are:
+both depths hold them and 3 or 4 blocks after them, and under pp each stage that holds
+them keeps its own count.
 
 What is searched, and why not more:
 - mesh: tp in 1, 2, 4, 8 (within a node, dividing the world, and over which the plan
@@ -17,8 +20,12 @@ What is searched, and why not more:
   over all the other ranks (dp) or within a node and replicated across nodes
   (hsdp x dp); with tp > 1, loss parallelism on, and sequence parallelism on when the
   plan has a sequence-parallel variant;
+- ep, for a model whose plan names experts: 1, the largest that keeps the all-to-all
+  within a node, and the largest of all, each dividing dp and the experts (or those of
+  `dryrun.ep`; expert_degrees says why not more), each simulated at dryrun.expert_load or
+  at ep where that is less (layout_config);
 - reshard_after_forward: true, the node-local group size when dp spans more than one
-  node, and false (least memory first);
+  node (not with ep), and false (least memory first);
 - activation checkpointing none, none with `parallel.recompute_cheap` (norms, SwiGLU's
   products and sequence parallel's gathers recomputed: less recompute than op, and at
   tp with sequence parallelism less memory too, for a second all-gather per sublayer),
@@ -51,7 +58,8 @@ What is searched, and why not more:
   or, where that would simulate more, with 2 and 3 blocks per stage and extrapolated to
   them (observe_blocks); the layout's peak is the largest role's, its step the slowest
   role's (the roles are simulated one by one, and one that does not fit ends the layout). With pp, tp is the largest the plan takes within a node (a model that needs
-  pipeline stages needs its activations split as far as a node allows).
+  pipeline stages needs its activations split as far as a node allows), and for a model
+  with experts also tp=1 (tp does not split the experts; ep can then take a node).
 
 Short pipelines. A pipeline rank's step is its stages' forwards and backwards in the
 schedule's order (torch's own: torch_internals.schedule_actions), then the stages'
@@ -154,19 +162,19 @@ def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, pro
     other roles need is not known yet (first_fit's probe)."""
     layout_cfg = layout_config(cfg, layout)
     spec = layout.spec
-    roles = [(observe(layout_cfg, layout, world, depth), None, whole_float8_flops(cfg, depth))] if spec.pp == 1 else []
+    roles = [(observe(layout_cfg, layout, world, depth), None, *whole_flops_shares(cfg, depth))] if spec.pp == 1 else []
     for role in observe_stage_roles(layout_cfg, layout, world, depth, seen) if spec.pp > 1 else ():
         roles.append(role)
         if role[0].peak_bytes > usable:
             break
         if first_role_only:
             return None
-    peak = max(observed.peak_bytes for observed, _, _ in roles)
+    peak = max(observed.peak_bytes for observed, *_ in roles)
     if peak > usable:
         return Outcome(layout, peak, None, f"peak {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
     estimates = [estimate_step(observed.comm, fpt, layout_cfg, spec, profile, stage_flops=stage_fpt,
-                               float8_flops=float8)
-                 for observed, stage_fpt, float8 in roles]
+                               float8_flops=float8, expert_flops=experts)
+                 for observed, stage_fpt, float8, experts in roles]
     return Outcome(layout, peak, max(estimates, key=lambda e: e.step_s))
 
 
@@ -217,16 +225,53 @@ def meshes(cfg, world: int, depth: int | None = None) -> list[MeshSpec]:
             continue
         stage = world // pp
         takes = [tp for tp in (1, 2, 4, 8) if tp <= gpus_per_node and stage % tp == 0 and plan_takes_tp(cfg, tp)]
-        for tp in takes if pp == 1 else takes[-1:]:
+        # Under pp the largest tp, and with experts, which tp does not split, none as well:
+        # ep then takes the node's ranks (DeepSeek-V3's layout: pp=16, ep=64, no tp).
+        for tp in takes if pp == 1 else sorted({takes[0], takes[-1]}) if experts_counts(cfg) else takes[-1:]:
             for cp in context_degrees(cfg, stage // tp):
                 rest = stage // (tp * cp)
-                found.append(MeshSpec(dp=rest, tp=tp, cp=cp, pp=pp))
+                grids = [MeshSpec(dp=rest, tp=tp, cp=cp, pp=pp)]
                 # HSDP: FSDP's shard group (dp x cp) within a node, replicated across nodes.
                 in_node = gpus_per_node // tp
                 dp_in_node = in_node // cp
                 if in_node % cp == 0 and (dp_in_node > 1 or cp > 1) and dp_in_node < rest and rest % dp_in_node == 0:
-                    found.append(MeshSpec(hsdp=rest // dp_in_node, dp=dp_in_node, tp=tp, cp=cp, pp=pp))
+                    grids.append(MeshSpec(hsdp=rest // dp_in_node, dp=dp_in_node, tp=tp, cp=cp, pp=pp))
+                found += [dataclasses.replace(grid, ep=ep) for grid in grids for ep in expert_degrees(cfg, grid)]
     return found
+
+
+def expert_degrees(cfg, spec: MeshSpec) -> list[int]:
+    """The ep degrees searched on a mesh: 1 for a model without experts; else those of
+    `dryrun.ep` that divide dp and every experts module's number of experts, by default 1,
+    the largest whose all-to-all stays within a node and the largest of all. Between the
+    last two, a larger ep gathers fewer experts per rank (each rank's own over edp = dp/ep)
+    for an all-to-all of about the same bytes ((ep-1)/ep of each rank's routed rows), so
+    only crossing nodes sets the two apart."""
+    counts = experts_counts(cfg)
+    if not counts:
+        return [1]
+    divides = [ep for ep in range(1, spec.dp + 1) if spec.dp % ep == 0 and all(n % ep == 0 for n in counts)]
+    if cfg.dryrun.ep:
+        return [ep for ep in expert_sizes(cfg) if ep in divides]
+    in_node = [ep for ep in divides if ep * spec.cp * spec.tp <= cfg.dryrun.gpus_per_node]
+    return sorted({1, in_node[-1], divides[-1]})
+
+
+def experts_counts(cfg) -> list[int]:
+    """The number of experts of each experts module the plan names (Plan.experts), from
+    the model's leading blocks and one more."""
+    from models import build_on_meta, leading_blocks, model_args
+    from parallel.expert import expert_paths
+    from parallel.plan import plan_of
+    args = model_args(cfg.model.name, cfg.model.flavor)
+    depth = getattr(args, "n_layers", 0) and min(args.n_layers, leading_blocks(args) + 1)
+    model = build_on_meta(cfg.model.name, cfg.model.flavor, depth)
+    return [model.get_submodule(path).w13.shape[0] for path in expert_paths(model, plan_of(cfg))]
+
+
+def expert_sizes(cfg) -> tuple[int, ...]:
+    """dryrun.ep's degrees (common/config.py checks them)."""
+    return tuple(int(size) for size in cfg.dryrun.ep.split(","))
 
 
 def pipeline_sizes(cfg) -> tuple[int, ...]:
@@ -251,13 +296,18 @@ def search_mesh(cfg, world: int) -> MeshSpec:
     return min(meshes(cfg, world), key=lambda spec: spec.hsdp * spec.dp)
 
 
-def reshard_options(spec: MeshSpec, gpus_per_node: int, float8_all_gather: bool = False) -> list[str]:
+def reshard_options(spec: MeshSpec, gpus_per_node: int, float8_all_gather: bool = False,
+                    experts: tuple[int, ...] = ()) -> list[str]:
     """The reshard settings searched, least memory first: resharding after every forward
     frees the most, a node-local group less (not with float8 all-gathers, which cannot
-    gather from it: parallel/float8.py), keeping the gathered parameters none."""
+    gather from it: parallel/float8.py, nor with ep, whose experts have a mesh of their
+    own, nor with `experts` counts that do not divide FSDP's ranks, sharded along their
+    rows: parallel/expert.py), keeping the gathered parameters none."""
     options = ["true", "false"]
     in_node = gpus_per_node // spec.tp
-    if 1 < in_node < spec.shard_size and spec.shard_size % in_node == 0 and not float8_all_gather:
+    rows_sharded = any(n % spec.shard_size for n in experts)
+    if (1 < in_node < spec.shard_size and spec.shard_size % in_node == 0 and not float8_all_gather
+            and spec.ep == 1 and not rows_sharded):
         options.insert(1, str(in_node))
     return options
 
@@ -299,17 +349,23 @@ def combine(observations: list[Observation], weights: list) -> Observation:
 
 
 def layout_config(cfg, layout: Layout):
-    return with_overrides(cfg, [f"parallel.mesh={layout.spec}", *layout.overrides()])
+    """The config of one layout; a mixture of experts at the load dryrun.expert_load asks
+    for, or at ep where that is less (ep ranks cannot be more uneven than one taking all)."""
+    load = min(cfg.dryrun.expert_load, layout.spec.ep)
+    return with_overrides(cfg, [f"parallel.mesh={layout.spec}", *layout.overrides(), f"dryrun.expert_load={load}"])
 
 
 def observe(cfg, layout: Layout, world: int, depth: int) -> Observation:
     """Rank 0's step at `depth` blocks, from simulations of one and two periods of the
-    block pattern (selective AC checkpoints every checkpoint_every-th block)."""
+    block pattern (selective AC checkpoints every checkpoint_every-th block) after the
+    model's leading blocks (models.leading_blocks), which both simulations hold."""
     from engine.dryrun.simulate import observe_rank_zero
+    from models import leading_blocks, model_args
     period = cfg.parallel.checkpoint_every if layout.activation_checkpoint == "selective" else 1
     # Below 3 blocks the backward's peak falls elsewhere (measured on 100M: growth per
     # block is constant from 3 blocks on), and `first` must fall on the pattern's phase.
-    first = next(n for n in range(3, 3 + period) if (depth - n) % period == 0)
+    start = 3 + leading_blocks(model_args(cfg.model.name, cfg.model.flavor))
+    first = next(n for n in range(start, start + period) if (depth - n) % period == 0)
     if depth <= first + period:
         return observe_rank_zero(cfg, layout.spec, world, depth)
     one, two = (observe_rank_zero(cfg, layout.spec, world, n) for n in (first, first + period))
@@ -329,75 +385,90 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
             and not micro_batches_needed(layout.schedule, spec.pp, layout.stages_per_rank, layout.micro_batches))
 
 
-def whole_float8_flops(cfg, depth: int) -> float:
-    """The FLOPs per token that parallel.float8 runs in float8, of the whole model at `depth` blocks."""
-    if cfg.parallel.float8 == "none":
-        return 0.0
-    from engine.dryrun.estimate import float8_flops_per_token
+def whole_flops_shares(cfg, depth: int) -> tuple[float, float]:
+    """Of the whole model at `depth` blocks, the FLOPs per token that parallel.float8 runs
+    in float8, and those of the routed experts (estimate.estimate_step)."""
+    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token
     from models import build_on_meta
     from parallel.plan import expand, plan_of
     whole, plan = build_on_meta(cfg.model.name, cfg.model.flavor, depth), plan_of(cfg)
-    return float8_flops_per_token(whole, expand(whole, plan.blocks, plan.name), cfg.parallel.float8)
+    blocks = expand(whole, plan.blocks, plan.name)
+    return float8_flops_per_token(whole, blocks, cfg.parallel.float8), expert_flops_per_token(whole, blocks)
 
 
 def observe_stage_roles(cfg, layout: Layout, world: int, depth: int,
-                        seen: dict | None = None) -> Iterator[tuple[Observation, float, float]]:
-    """Under pipeline parallel: (the observation, the FLOPs per token, those in float8) of
-    each distinct stage role (simulate.pipeline_ranks) at `depth` blocks (observe_blocks),
-    one by one; those in `seen` (pp rank -> role) without simulating them again, and the
-    others added to it."""
-    from engine.dryrun.estimate import float8_flops_per_token, stage_flops_per_token
-    from engine.dryrun.simulate import pipeline_ranks
-    from models import build_on_meta
+                        seen: dict | None = None) -> Iterator[tuple[Observation, float, float, float]]:
+    """Under pipeline parallel: (the observation, the FLOPs per token, those in float8, those
+    of routed experts) of each distinct stage role (simulate.pipeline_ranks) at `depth`
+    blocks (observe_blocks), one by one; those in `seen` (pp rank -> role) without
+    simulating them again, and the others added to it."""
+    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token, stage_flops_per_token
+    from engine.dryrun.simulate import leading_per_stage, pipeline_ranks
+    from models import build_on_meta, leading_blocks
     from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank, stage_blocks
     from parallel.plan import plan_of
 
     spec, per_rank = layout.spec, layout.stages_per_rank
     plan, whole = plan_of(cfg), build_on_meta(cfg.model.name, cfg.model.flavor, depth)
     split = blocks_per_stage(depth, spec.pp, per_rank, cfg.parallel.pp_split, empty_ends(plan.stages))
+    leading = leading_per_stage(split, leading_blocks(whole.args))
     paths = stage_blocks(whole, plan, spec.pp, cfg.parallel)
     seen = {} if seen is None else seen
     for pp_rank in pipeline_ranks(cfg, spec, depth):
         if pp_rank not in seen:
             held = stages_of_rank(pp_rank, spec.pp, per_rank, layout.schedule)
-            observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held])
+            observed = observe_blocks(cfg, layout, world, pp_rank, [split[stage] for stage in held],
+                                      [leading[stage] for stage in held], depth)
+            held_paths = [path for stage in held for path in paths[stage]]
             seen[pp_rank] = (observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len),
-                             float8_flops_per_token(whole, [path for stage in held for path in paths[stage]],
-                                                    cfg.parallel.float8))
+                             float8_flops_per_token(whole, held_paths, cfg.parallel.float8),
+                             expert_flops_per_token(whole, held_paths))
         yield seen[pp_rank]
 
 
-def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
-    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds (observe_role):
-    simulated with them when that simulates no more blocks than extrapolating would, else
-    extrapolated from 2 blocks in every stage and from 3 in each stage in turn. Each stage
-    grows on its own: its blocks' collectives count once per forward or backward of that
-    stage, and the stages of a rank run in different orders (with unequal stages, a line
-    through 2 and 3 blocks in every stage got 7 of rank 0's 456 all-gathers in the wrong
-    phase at 405B, Interleaved1F1B, pp=16)."""
-    points = [[2] * len(blocks)] + [[3 if i == stage else 2 for i in range(len(blocks))]
-                                    for stage in range(len(blocks))]
+def observe_blocks(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int],
+                   leading: list[int], depth: int) -> Observation:
+    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds, `leading` of
+    them the model's leading blocks, in a model of `depth` blocks (observe_role): simulated with them when that simulates
+    no more blocks than extrapolating would, else extrapolated from 2 blocks in every stage
+    and from 3 in each stage in turn. Each stage grows on its own: its blocks' collectives
+    count once per forward or backward of that stage, and the stages of a rank run in
+    different orders (with unequal stages, a line through 2 and 3 blocks in every stage
+    got 7 of rank 0's 456 all-gathers in the wrong phase at 405B, Interleaved1F1B, pp=16).
+    A stage that holds leading blocks, which differ from the rest, keeps its own count."""
+    base = [n if held else 2 for n, held in zip(blocks, leading)]
+    grown = [stage for stage, held in enumerate(leading) if not held]
+    points = [base] + [[n + (i == stage) for i, n in enumerate(base)] for stage in grown]
     if sum(blocks) <= sum(map(sum, points)):
-        return observe_role(cfg, layout, world, pp_rank, blocks)
-    weights = [1 - sum(n - 2 for n in blocks)] + [n - 2 for n in blocks]
-    return combine([observe_role(cfg, layout, world, pp_rank, point) for point in points], weights)
+        return observe_role(cfg, layout, world, pp_rank, blocks, leading, depth)
+    weights = [1 - sum(blocks[stage] - 2 for stage in grown)] + [blocks[stage] - 2 for stage in grown]
+    return combine([observe_role(cfg, layout, world, pp_rank, point, leading, depth) for point in points], weights)
 
 
-def observe_role(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int]) -> Observation:
-    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds, from the short
-    pipelines whose schedules combine to its own (short_pipelines)."""
+def observe_role(cfg, layout: Layout, world: int, pp_rank: int, blocks: list[int], leading: list[int],
+                 depth: int) -> Observation:
+    """Pipeline rank `pp_rank`'s step with `blocks` in each stage it holds (`leading` of them
+    the model's leading blocks, of `depth` in all), from the short pipelines whose schedules
+    combine to its own (short_pipelines)."""
     runs = short_pipelines(layout.schedule, layout.spec.pp, layout.stages_per_rank, layout.micro_batches, pp_rank)
-    return combine([short_pipeline(cfg, layout, world, size, rank, micro, blocks) for (size, rank, micro), _ in runs],
-                   [weight for _, weight in runs])
+    return combine([short_pipeline(cfg, layout, world, size, rank, micro, blocks, leading, depth)
+                    for (size, rank, micro), _ in runs], [weight for _, weight in runs])
 
 
 def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_batches: int,
-                   blocks: list[int]) -> Observation:
+                   blocks: list[int], leading: list[int], depth: int) -> Observation:
     """The step of pipeline rank `rank` in a pipeline of `size` ranks with the layout's other
     dimensions, over `micro_batches` micro-batches of the layout's size; the stages it holds
     have `blocks` blocks, each of the others one, or none at an end that may be empty (they
-    are not simulated; the whole then has no more blocks than the model)."""
+    are not simulated; the whole then has no more blocks than the model's `depth`). The
+    model's leading blocks end where they end in the layout's stages: `leading` of each
+    held stage's blocks, the stages before the last such one all leading (as in the model,
+    whose leading blocks come first). A mixture of experts' routing figures cross the
+    stages for every layer of the model (engine/routing.py: finish_step), so that
+    all-reduce carries the whole model's, not the short one's."""
     from engine.dryrun.simulate import observe_rank_zero
+    from engine.routing import stages_all_reduce_bytes
+    from models import build_on_meta
     from parallel.pipeline import empty_ends, stages_of_rank
     from parallel.plan import plan_of
 
@@ -405,15 +476,24 @@ def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_
     first, last = empty_ends(plan_of(cfg).stages)
     split = [1] * (size * per_rank)
     split[0], split[-1] = int(not first), int(not last)
-    for stage, count in zip(stages_of_rank(rank, size, per_rank, layout.schedule), blocks):
+    held = stages_of_rank(rank, size, per_rank, layout.schedule)
+    for stage, count in zip(held, blocks):
         split[stage] = count
+    ending = [(stage, count) for stage, count in zip(held, leading) if count]
+    dense_layers = sum(split[:ending[-1][0]]) + ending[-1][1] if ending else 0
     data = spec.hsdp * spec.dp
     rows = cfg.training.global_batch // data // layout.micro_batches  # of each micro-batch
     short = with_overrides(cfg, [f"parallel.mesh={spec}", f"parallel.pp_split={','.join(map(str, split))}",
                                  f"training.micro_batches={micro_batches}",
                                  f"training.global_batch={micro_batches * rows * data}"])
     per_stage = world // layout.spec.pp
-    return observe_rank_zero(short, spec, size * per_stage, sum(split), rank * per_stage)
+    observed = observe_rank_zero(short, spec, size * per_stage, sum(split), rank * per_stage, dense_layers)
+    name, flavor = cfg.model.name, cfg.model.flavor
+    missing = (stages_all_reduce_bytes(build_on_meta(name, flavor, depth))
+               - stages_all_reduce_bytes(build_on_meta(name, flavor, sum(split), dense_layers)))
+    if missing:
+        observed.comm["pp"]["optimizer"]["all_reduce"]["bytes"] += missing
+    return observed
 
 
 def schedule_features(schedule: str, pp: int, per_rank: int, micro_batches: int, rank: int) -> tuple[tuple, tuple]:
@@ -621,7 +701,7 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
 
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-    settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather)
+    settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather, tuple(experts_counts(cfg)))
     for position, reshard in enumerate(settings):
         (ladder,) = ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)])
         found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond,

@@ -99,9 +99,13 @@ def shards_evenly(model) -> bool:
 
 def enter_fake_world(world_size: int, rank: int) -> None:
     """Be `rank` of a fake world of `world_size` ranks, keeping the current one if it is
-    that already: meshes of any shape can be built in one world (--plan-for does)."""
+    that already: meshes of any shape can be built in one world (--plan-for does). DTensor's
+    cached sharding decisions are dropped either way: they hold the meshes made before,
+    which compare equal to the new ones, so a new expert parameter took an earlier
+    simulation's ep group, and its gradient's all-reduce was not named ep."""
     if dist.is_initialized():
         if (dist.get_world_size(), dist.get_rank()) == (world_size, rank):
+            torch_internals.clear_sharding_cache()
             return
         dist.destroy_process_group()
     torch_internals.start_fake_world(world_size, rank)
@@ -109,27 +113,39 @@ def enter_fake_world(world_size: int, rank: int) -> None:
 
 def pipeline_ranks(cfg, spec, n_layers: int = 0) -> dict[int, list[int]]:
     """The pp ranks to simulate -> the pp ranks each stands for: the first of each distinct
-    role, a role being the block counts of the stages a rank holds and whether they include
-    the first or the last. The ranks after it in a role hold the same state and no more
-    micro-batches in flight (fewer, under 1F1B), so its peak bounds theirs."""
-    from models import build_on_meta
+    role, a role being the block counts of the stages a rank holds (and how many of them
+    are leading blocks, models.leading_blocks) and whether they include the first or the
+    last. The ranks after it in a role hold the same state and no more micro-batches in
+    flight (fewer, under 1F1B), so its peak bounds theirs."""
+    from models import build_on_meta, leading_blocks
     from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank
     from parallel.plan import expand, plan_of
 
     if spec.pp == 1:
         return {0: [0]}
     plan, options = plan_of(cfg), cfg.parallel
-    blocks = len(expand(build_on_meta(cfg.model.name, cfg.model.flavor, n_layers), plan.blocks, plan.name))
+    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
+    blocks = len(expand(model, plan.blocks, plan.name))
     counts = blocks_per_stage(blocks, spec.pp, options.pp_stages_per_rank, options.pp_split, empty_ends(plan.stages))
+    leading = leading_per_stage(counts, leading_blocks(model.args))
     roles: dict[tuple, list[int]] = {}
     for rank in range(spec.pp):
         stages = stages_of_rank(rank, spec.pp, options.pp_stages_per_rank, options.pp_schedule)
-        roles.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in stages), []).append(rank)
+        key = tuple((counts[s], leading[s], s == 0, s == len(counts) - 1) for s in stages)
+        roles.setdefault(key, []).append(rank)
     return {ranks[0]: ranks for ranks in roles.values()}
 
 
-def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
-    """This rank's model after the plan, on meta, and its mesh (`n_layers` > 0: that depth)."""
+def leading_per_stage(counts: list[int], leading: int) -> list[int]:
+    """How many of each stage's blocks (`counts`, in stage order) are among the model's
+    first `leading` blocks."""
+    starts = [sum(counts[:stage]) for stage in range(len(counts))]
+    return [min(max(leading - start, 0), count) for start, count in zip(starts, counts)]
+
+
+def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0, dense_layers: int | None = None):
+    """This rank's model after the plan, on meta, and its mesh (`n_layers` > 0: that depth,
+    `dense_layers`: that many leading blocks, models.build_on_meta)."""
     from engine import routing
     from models import build_on_meta
     from parallel.apply import apply_plan
@@ -138,7 +154,7 @@ def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0):
 
     enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
-    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers)
+    model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers, dense_layers)
     prepare_experts(model, cfg.dryrun.expert_load, spec.ep)
     # A GPU job: float8 linears take the GPU's path (torch._scaled_mm, which fake tensors
     # run anywhere), not the CPU's emulation, whose dequantised copies a GPU never makes.
@@ -209,9 +225,11 @@ def eager(cfg):
     return cfg, notes
 
 
-def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0, rank: int = 0) -> Observation:
-    """Rank 0's (or `rank`'s) simulated step, at the model's depth or at `n_layers` blocks."""
-    model, dims = _rank_model(cfg, spec, world_size, rank, n_layers)
+def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0, rank: int = 0,
+                      dense_layers: int | None = None) -> Observation:
+    """Rank 0's (or `rank`'s) simulated step, at the model's depth or at `n_layers` blocks
+    (`dense_layers` of them leading, models.build_on_meta)."""
+    model, dims = _rank_model(cfg, spec, world_size, rank, n_layers, dense_layers)
     with torch_internals.fake_tensor_mode():
         to_fake(model)
         return observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
