@@ -257,16 +257,21 @@ def expert_degrees(cfg, spec: MeshSpec) -> list[int]:
     return sorted({1, in_node[-1], divides[-1]})
 
 
-def experts_counts(cfg) -> list[int]:
-    """The number of experts of each experts module the plan names (Plan.experts), from
-    the model's leading blocks and one more."""
+def experts_counts(cfg) -> tuple[int, ...]:
+    """The number of experts of each experts module the plan names (Plan.experts)."""
+    from parallel.plan import plan_of
+    return _experts_counts(cfg.model.name, cfg.model.flavor, plan_of(cfg).name)
+
+
+@functools.lru_cache(maxsize=None)
+def _experts_counts(name: str, flavor: str, plan_name: str) -> tuple[int, ...]:
+    """From the model's leading blocks and one more."""
     from models import build_on_meta, leading_blocks, model_args
     from parallel.expert import expert_paths
-    from parallel.plan import plan_of
-    args = model_args(cfg.model.name, cfg.model.flavor)
-    depth = getattr(args, "n_layers", 0) and min(args.n_layers, leading_blocks(args) + 1)
-    model = build_on_meta(cfg.model.name, cfg.model.flavor, depth)
-    return [model.get_submodule(path).w13.shape[0] for path in expert_paths(model, plan_of(cfg))]
+    from parallel.plan import get_plan
+    args = model_args(name, flavor)
+    model = build_on_meta(name, flavor, min(args.n_layers, leading_blocks(args) + 1))
+    return tuple(model.get_submodule(path).w13.shape[0] for path in expert_paths(model, get_plan(plan_name)))
 
 
 def expert_sizes(cfg) -> tuple[int, ...]:
@@ -388,12 +393,18 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
 def whole_flops_shares(cfg, depth: int) -> tuple[float, float]:
     """Of the whole model at `depth` blocks, the FLOPs per token that parallel.float8 runs
     in float8, and those of the routed experts (estimate.estimate_step)."""
+    from parallel.plan import plan_of
+    return _whole_flops_shares(cfg.model.name, cfg.model.flavor, plan_of(cfg).name, cfg.parallel.float8, depth)
+
+
+@functools.lru_cache(maxsize=None)  # one model on meta per search process, not one per layout
+def _whole_flops_shares(name: str, flavor: str, plan_name: str, recipe: str, depth: int) -> tuple[float, float]:
     from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token
     from models import build_on_meta
-    from parallel.plan import expand, plan_of
-    whole, plan = build_on_meta(cfg.model.name, cfg.model.flavor, depth), plan_of(cfg)
+    from parallel.plan import expand, get_plan
+    whole, plan = build_on_meta(name, flavor, depth), get_plan(plan_name)
     blocks = expand(whole, plan.blocks, plan.name)
-    return float8_flops_per_token(whole, blocks, cfg.parallel.float8), expert_flops_per_token(whole, blocks)
+    return float8_flops_per_token(whole, blocks, recipe), expert_flops_per_token(whole, blocks)
 
 
 def observe_stage_roles(cfg, layout: Layout, world: int, depth: int,
@@ -701,7 +712,7 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
 
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
-    settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather, tuple(experts_counts(cfg)))
+    settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather, experts_counts(cfg))
     for position, reshard in enumerate(settings):
         (ladder,) = ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)])
         found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond,
