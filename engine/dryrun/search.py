@@ -478,8 +478,6 @@ def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_
     stages for every layer of the model (engine/routing.py: finish_step), so that
     all-reduce carries the whole model's, not the short one's."""
     from engine.dryrun.simulate import observe_rank_zero
-    from engine.routing import stages_all_reduce_bytes
-    from models import build_on_meta
     from parallel.pipeline import empty_ends, stages_of_rank
     from parallel.plan import plan_of
 
@@ -499,12 +497,20 @@ def short_pipeline(cfg, layout: Layout, world: int, size: int, rank: int, micro_
                                  f"training.global_batch={micro_batches * rows * data}"])
     per_stage = world // layout.spec.pp
     observed = observe_rank_zero(short, spec, size * per_stage, sum(split), rank * per_stage, dense_layers)
-    name, flavor = cfg.model.name, cfg.model.flavor
-    missing = (stages_all_reduce_bytes(build_on_meta(name, flavor, depth))
-               - stages_all_reduce_bytes(build_on_meta(name, flavor, sum(split), dense_layers)))
-    if missing:
-        observed.comm["pp"]["optimizer"]["all_reduce"]["bytes"] += missing
+    if experts_counts(cfg):
+        name, flavor = cfg.model.name, cfg.model.flavor
+        missing = routing_bytes(name, flavor, depth, None) - routing_bytes(name, flavor, sum(split), dense_layers)
+        if missing:
+            observed.comm["pp"]["optimizer"]["all_reduce"]["bytes"] += missing
     return observed
+
+
+@functools.lru_cache(maxsize=None)  # a model on meta per depth, not per short pipeline (405B: 1 s each)
+def routing_bytes(name: str, flavor: str, n_layers: int, dense_layers: int | None) -> int:
+    """engine/routing.py: stages_all_reduce_bytes of the model at that depth."""
+    from engine.routing import stages_all_reduce_bytes
+    from models import build_on_meta
+    return stages_all_reduce_bytes(build_on_meta(name, flavor, n_layers, dense_layers))
 
 
 def schedule_features(schedule: str, pp: int, per_rank: int, micro_batches: int, rank: int) -> tuple[tuple, tuple]:
