@@ -179,6 +179,21 @@ class DryRunConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """hsdp's replica groups as separate jobs joined through torchft (parallel/replicas.py,
+    docs/fault_tolerance.md): a lost group does not stop the others."""
+    enabled: bool = False
+    group: int = 0  # this job's replica group, 0 to hsdp - 1
+    lighthouse: str = ""  # the torchft Lighthouse's address (http://host:port); "": the TORCHFT_LIGHTHOUSE variable
+    min_groups: int = 1  # a step commits only with at least this many groups in it
+    rejoin: bool = False  # this group was started again: it keeps its data position and heals from a live group
+    timeout_s: float = 10.0  # collectives across groups and the commit vote give up after this long
+    quorum_timeout_s: float = 60.0  # how long a step waits for the groups' quorum
+    quorum_retries: int = 20  # quorum requests retried when the Lighthouse does not answer (it restarted)
+    fingerprint: bool = False  # log a checksum of the group's weights after each step, to compare groups
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -193,6 +208,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     dryrun: DryRunConfig = field(default_factory=DryRunConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 _CHOICES = {
@@ -278,6 +294,11 @@ RANGES = {
     ("dryrun", "gpu_memory_gib"): POSITIVE,
     ("dryrun", "top"): POSITIVE,
     ("dryrun", "search_workers"): Range(0, 256, meaning="0 takes one per CPU core, at most 4"),
+    ("fault_tolerance", "group"): Range(0, INT64, meaning="this job's replica group, counted from 0"),
+    ("fault_tolerance", "min_groups"): Range(1, INT64, meaning="the replica groups a step needs"),
+    ("fault_tolerance", "timeout_s"): POSITIVE,
+    ("fault_tolerance", "quorum_timeout_s"): POSITIVE,
+    ("fault_tolerance", "quorum_retries"): Range(0, 1_000_000, meaning="retries of a quorum request"),
 }
 
 

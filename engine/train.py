@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from engine.data.sources import TokenSource, local_batch
 from engine.data.token_file import OutOfVocabulary
 from engine import routing
-from common.errors import NonFiniteLoss, raise_if_any_rank
+from common.errors import NonFiniteLoss, UserError, raise_if_any_rank
 from engine.grad_norm import clip_grad_norm
 from engine.metrics.memory import LargestOverRanks
 from engine.metrics.log import RunShape, StepLog
@@ -76,18 +76,23 @@ def loss_for(options) -> Callable:
     return compiled_loss_fn() if options.compile and not options.loss_parallel else loss_fn
 
 
-def global_mean(value: torch.Tensor, group, stages=None) -> float:
+def global_mean(value: torch.Tensor, group, stages=None, replicas=None) -> float:
     """Average a scalar over the data-parallel ranks (gloo has no AVG, so SUM then divide).
     `stages`, the pipeline group, then brings the value from the last stage (the only one
-    that computes a loss; the others hold 0) to every stage."""
-    if group is None and stages is None:
+    that computes a loss; the others hold 0) to every stage. `replicas`: fault-tolerant
+    replica groups, whose sums are added too, in the same dtype, so that the mean is the
+    one plain hsdp computes."""
+    if group is None and stages is None and replicas is None:
         return value.item()
     value = value.detach().clone()
     if group is not None:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     if stages is not None:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=stages)
-    return value.item() / (dist.get_world_size(group) if group is not None else 1)
+    ranks = dist.get_world_size(group) if group is not None else 1
+    if replicas is not None:
+        ranks *= replicas.add_up(value)
+    return value.item() / ranks
 
 
 def pipeline_of(model):
@@ -149,6 +154,13 @@ class StepResult:
     # A mixture of experts' routing in the step: each routed layer's figures over all data
     # ranks and stages (engine/routing.py: summary), None for a model without experts
     routed: dict | None = None
+    # With fault-tolerant replica groups: whether every live group finished the step (if
+    # not, nothing was updated and the batch is fed again), how many groups took part (0:
+    # no such groups), and the groups' common count of committed steps after it
+    committed: bool = True
+    groups: int = 0
+    replica_step: int = 0
+    fingerprint: str = ""  # fault_tolerance.fingerprint: the group's weights after the step
 
 
 def forward_backward(model, inputs, targets, micro_batches: int = 1, loss: Callable = loss_fn) -> torch.Tensor:
@@ -176,9 +188,11 @@ def forward_backward(model, inputs, targets, micro_batches: int = 1, loss: Calla
 
 def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
                data_group=None, micro_batches: int = 1, inspect_grads=None,
-               after_backward=None, loss: Callable = loss_fn) -> StepResult:
+               after_backward=None, loss: Callable = loss_fn, replicas=None) -> StepResult:
     """`inspect_grads(model)`, when given, sees the gradients before clipping (parity checks);
-    `after_backward()` runs as soon as the backward has been issued (metrics)."""
+    `after_backward()` runs as soon as the backward has been issued (metrics). `replicas`
+    (parallel/replicas.py), with fault-tolerant replica groups: the loss is averaged over
+    the live groups too, and the optimizer and schedule step only if the step commits."""
     lr = scheduler.get_last_lr()[0]
     started = time.perf_counter()
     local_loss = forward_backward(model, inputs, targets, micro_batches, loss)
@@ -186,19 +200,23 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
         after_backward()
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
-    loss = global_mean(local_loss, data_group, pipeline_group(model))
+    loss = global_mean(local_loss, data_group, pipeline_group(model), replicas)
     routed = routing.finish_step(model, data_group, pipeline_group(model), whole_model(model), inputs)
     computed = time.perf_counter()
     if inspect_grads is not None:
         inspect_grads(model)
     skipped = not math.isfinite(loss)
     norm = clip_grad_norm(model.parameters(), max_norm, **norm_scope(model)).item()
-    if not skipped:
+    committed = replicas is None or replicas.commit()
+    if committed and not skipped:
         optimizer.step()
-    scheduler.step()
+    if committed:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=loss, grad_norm=norm, lr=lr, forward_backward_s=computed - started,
-                      optimizer_s=time.perf_counter() - computed, skipped=skipped, routed=routed)
+                      optimizer_s=time.perf_counter() - computed, skipped=skipped, routed=routed,
+                      committed=committed, groups=replicas.participants if replicas is not None else 0,
+                      replica_step=replicas.step if replicas is not None else 0)
 
 
 def rank_batch(source, step: int, training, dims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,8 +262,10 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     data_s = time.perf_counter() - started
     result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
                         dims.data.get_group(), t.micro_batches, after_backward=after_backward,
-                        loss=loss_for(cfg.parallel))
+                        loss=loss_for(cfg.parallel), replicas=getattr(dims, "replicas", None))
     result.data_s = data_s
+    if result.committed and result.groups and cfg.fault_tolerance.fingerprint:
+        result.fingerprint = dims.replicas.fingerprint(model)
     return result
 
 
@@ -318,20 +338,40 @@ def run_shape(model, cfg, device) -> RunShape:
                     peak_flops=peak)
 
 
+def fault_tolerance_no_live_group(position: int) -> str:
+    return (f"this replica group was started again (fault_tolerance.rejoin=true) at its global batch "
+            f"{position}, but no live replica group was there to heal it from, so its weights would "
+            f"be the initial ones. Start the whole job again, every group with "
+            f"fault_tolerance.rejoin=false.")
+
+
 def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
           checkpoint=None, eval_source=None) -> list[StepResult]:
     """`checkpoint` (an engine.checkpoint.Checkpointer) restores state and saves it;
     `eval_source`, when given, is evaluated every eval.every steps and after the last."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
+    replicas = getattr(dims, "replicas", None)
+    if replicas is not None:
+        replicas.keep(model, optimizer, scheduler)
+        start = replicas.data_position()
     shape = run_shape(model, cfg, device)
     log.describe(shape)
     ids_group = host_group() if isinstance(source, TokenSource) else None
     results = []
-    for step in range(start, cfg.training.steps):
+    step = start
+    while step < cfg.training.steps:
+        if replicas is not None:
+            replicas.start_step()  # a group behind the live ones heals here
+            if step == start and start > 0 and replicas.step == 0:
+                raise UserError(fault_tolerance_no_live_group(step))
         result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard,
                              eval_source, ids_group)
         results.append(result)
+        if not result.committed:
+            continue  # another group failed mid-step: the same batch again, with the groups still alive
+        if replicas is not None and dist.get_rank() == 0:
+            replicas.save_position(step + 1)
         if result.skipped and not cfg.metrics.skip_nonfinite:
             log.close()
             last_good = checkpoint.last_complete() if checkpoint else None
@@ -342,6 +382,7 @@ def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
                 f"metrics.skip_nonfinite=true to skip such steps.")
         if checkpoint:
             checkpoint.step_finished(step)
+        step += 1
     if checkpoint:
         checkpoint.close()
     log.summary(results, shape.tokens_per_step)

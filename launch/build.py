@@ -48,7 +48,18 @@ def start_process_group(cfg, spec):
     else:
         device = torch.device("cpu")
     init_process_group(backend)
-    return build_mesh(spec, device_type), device
+    ft = cfg.fault_tolerance
+    if not ft.enabled:
+        return build_mesh(spec, device_type), device
+    # This job is one of hsdp's replica groups: its own mesh has no hsdp, and torchft
+    # joins the groups (parallel/replicas.py).
+    from dataclasses import replace
+
+    from parallel.replicas import Replicas
+    dims = build_mesh(replace(spec, hsdp=1), device_type)
+    dims.replica_group, dims.replica_groups = ft.group, spec.hsdp
+    dims.replicas = Replicas(ft, spec.hsdp, backend, cfg.run.dir)
+    return dims, device
 
 
 def sharded_model(cfg, dims, device, n_layers: int = 0, prefetch=None, import_weights: bool = True):

@@ -30,6 +30,7 @@ from launch.exits import leave_crash, leave_error, prepare_forked_rank, ranks_pr
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
 from parallel.mesh import MeshSpec, parse_mesh  # noqa: E402
 from parallel.process_group import exit_without_teardown  # noqa: E402
+from parallel.replicas import check_lighthouse, lighthouse_address  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "configs" / "debug.yaml"
 
@@ -64,9 +65,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resume", nargs="?", const="", metavar="FOLDER",
                         help="resume from the run folder's latest checkpoint, or from FOLDER "
                         "(sets checkpoint.resume=always; see docs/checkpoint.md)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    parser.add_argument("--max-restarts", type=int, metavar="N",
                         help="when not under torchrun: restart all ranks up to N times after a "
-                        "failure; each restart resumes from the latest checkpoint")
+                        "failure (default 0); each restart resumes from the latest checkpoint. With "
+                        "fault-tolerant replica groups, restart a failed group up to N times (default 3)")
     return parser.parse_args(argv)
 
 
@@ -121,6 +123,10 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
                             f"known. Pass --nproc N, or give every size.")
     elif world_size < 1:
         raise UserError(f"--nproc {world_size}: give the number of processes to start, at least 1.")
+    if cfg.fault_tolerance.enabled and under_torchrun():
+        world_size *= whole_world_factor(spec)  # torchrun started one replica group
+        # Each group logs and keeps its data position in a folder of its own.
+        cfg.run.dir = str(Path(cfg.run.dir) / f"group-{cfg.fault_tolerance.group}")
     spec = spec.resolve(world_size)
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (REPO / data_path).exists():
@@ -153,7 +159,9 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     if cfg.checkpoint.hf_export:
         from engine.checkpoint.hf import check_hf_export
         check_hf_export(model, cfg.checkpoint.hf_export)
-    from parallel.expert import check_expert_parallel
+    from parallel.expert import check_expert_parallel, expert_paths
+    from parallel.replicas import check_fault_tolerance
+    check_fault_tolerance(cfg, spec, bool(expert_paths(model, plan)))
     check_expert_parallel(model, plan, spec.ep, spec.dp, resolve_reshard(cfg.parallel.reshard_after_forward, spec),
                           spec.shard_size)
     if spec.tp > 1:
@@ -199,7 +207,30 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         check_parity(cfg, spec)
     elif not (args.dry_run or args.plan_for):
         find_checkpoint(cfg)
+    if cfg.fault_tolerance.enabled:
+        check_replica_group_launch(args, cfg)
     return cfg, spec
+
+
+def whole_world_factor(spec: MeshSpec) -> int:
+    """With fault-tolerant replica groups a torchrun job is one group: hsdp of them make the mesh."""
+    if spec.hsdp == -1:
+        raise UserError(f"--mesh {spec}: with fault_tolerance.enabled=true, give hsdp (the number of replica "
+                        f"groups) a size; -1 cannot be worked out from one group's ranks.")
+    return spec.hsdp
+
+
+def check_replica_group_launch(args: argparse.Namespace, cfg) -> None:
+    if args.parity or args.resume is not None:
+        raise UserError("fault_tolerance.enabled=true trains; it does not combine with --parity or --resume. "
+                        "Compare a fault-tolerant run with a plain hsdp run through their logged losses "
+                        "(docs/fault_tolerance.md).")
+    if cfg.fault_tolerance.lighthouse and args.max_restarts is not None and not under_torchrun():
+        raise UserError("--max-restarts restarts replica groups that `python launch/run.py` started itself, "
+                        "with no fault_tolerance.lighthouse given. A group started on its own is started "
+                        "again by its scheduler (docs/multinode.md).")
+    if lighthouse_address(cfg.fault_tolerance):
+        check_lighthouse(cfg.fault_tolerance)
 
 
 def check_gpu_count(cfg, ranks_here: int) -> None:
@@ -287,6 +318,17 @@ def forked_rank(argv: list[str]) -> int:
     return code
 
 
+def launch_replica_groups(args: argparse.Namespace, argv: list[str], cfg, spec: MeshSpec) -> int:
+    """One fault-tolerant replica group on this machine's torchrun agent when the Lighthouse is
+    given, else the Lighthouse and every group, supervised (launch/replica_groups.py)."""
+    ranks_per_group = spec.world_size // spec.hsdp
+    if lighthouse_address(cfg.fault_tolerance):  # checked to answer
+        return launch_under_torchrun(ranks_per_group, argv, pick_device(cfg)[0])
+    from launch.replica_groups import run_replica_groups, without_restarts
+    return run_replica_groups(Path(__file__).resolve(), without_restarts(argv), spec.hsdp, ranks_per_group,
+                              cfg.fault_tolerance.min_groups, cfg.run.dir, args.max_restarts)
+
+
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     import torch.distributed as dist
 
@@ -305,7 +347,11 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     resume_from = agreed(lambda: find_checkpoint(cfg))  # every rank resumes from rank 0's choice
     log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
                   every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,
-                  append=resume_from is not None)
+                  append=resume_from is not None or cfg.fault_tolerance.rejoin)
+    if dims.replicas is not None:
+        log.print(f"fault-tolerant replica group {dims.replica_group} of {dims.replica_groups} "
+                  f"(torchft, Lighthouse {lighthouse_address(cfg.fault_tolerance)}); "
+                  f"from global batch {dims.replicas.data_position()}")
     log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device.type}/{pick_device(cfg)[1]}) | "
               f"model {cfg.model.name}/{cfg.model.flavor} | plan {plan.name}")
 
@@ -331,6 +377,8 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
         from engine.checkpoint.hf import save_hf
         save_hf(model, cfg.checkpoint.hf_export, carried_from=cfg.checkpoint.hf_import or None)
         log.print(f"exported Hugging Face checkpoint -> {cfg.checkpoint.hf_export}")
+    if dims.replicas is not None:
+        dims.replicas.shutdown()
     dist.destroy_process_group()
 
 
@@ -431,8 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run or args.plan_for:
             return dry_run(args)
         cfg, spec = check(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc)
+        if not torchrun and cfg.fault_tolerance.enabled:
+            return launch_replica_groups(args, argv, cfg, spec)
         if not torchrun:
-            return launch_under_torchrun(spec.world_size, argv, pick_device(cfg)[0], args.max_restarts)
+            return launch_under_torchrun(spec.world_size, argv, pick_device(cfg)[0], args.max_restarts or 0)
         if args.parity:
             from launch.parity import run_parity
             return run_parity(cfg, spec)

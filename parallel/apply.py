@@ -2,7 +2,7 @@
 
 0. with pp > 1, the model splits into this rank's pipeline stages (parallel/pipeline.py),
    each a part of the model that keeps only its own blocks (and the embedding on the first
-   stage, the output on the last); steps 1 to 6 then apply to each part as to a model,
+   stage, the output on the last); steps 1 to 7 then apply to each part as to a model,
 1. tensor parallel (+ sequence and loss parallel) on the TP sub-mesh, then, with cp > 1,
    attention across the cp ranks (parallel/context.py), then, with ep > 1, the experts
    split over the ep ranks (parallel/expert.py),
@@ -14,7 +14,9 @@
    offload: shard_experts),
 5. fully_shard on the root, which takes the remaining parameters; every unit sharded
    over one rank reduces its gradients in place (parallel/fsdp_internals.py),
-6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py).
+6. explicit prefetch lists, when the config asks for them (parallel/prefetch.py),
+7. with fault-tolerant replica groups, every FSDP unit's gradients averaged across the
+   groups through torchft after its reduce-scatter (parallel/replicas.py).
 
 AC sits inside compile and both inside FSDP, so FSDP's all-gathers stay outside
 the recomputed and compiled regions. The cp step comes right after TP, so AC and
@@ -373,7 +375,7 @@ class AppliedPlan:
 
 def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: ParallelConfig, prefetch,
                   applied: AppliedPlan, post_forward_mesh, emulate_float8: bool) -> None:
-    """Steps 1 to 6 on one model (or one stage's part of it)."""
+    """Steps 1 to 7 on one model (or one stage's part of it)."""
     paths = expand(model, plan.blocks, plan.name)
     applied.blocks += paths
     blocks = [model.get_submodule(path) for path in paths]
@@ -402,6 +404,8 @@ def apply_to_part(model: nn.Module, plan: Plan, dims: ParallelDims, options: Par
                                            [model.get_submodule(path) for path in expert_paths], unsplit)
     if prefetch is not None:
         apply_prefetch(model, prefetch_order(model, plan), prefetch.forward, prefetch.backward)
+    if dims.replicas is not None:
+        dims.replicas.average_gradients(model)
 
 
 def apply_plan(model: nn.Module, plan: Plan, dims: ParallelDims,

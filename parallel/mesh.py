@@ -161,6 +161,11 @@ class ParallelDims:
     # but over expert-dp x cp.
     ep: "DeviceMesh | None" = None  # noqa: F821
     expert_fsdp: "DeviceMesh | None" = None  # noqa: F821
+    # With fault_tolerance.enabled (parallel/replicas.py), hsdp's groups are separate jobs:
+    # this job's mesh has hsdp=1, and `replicas` averages gradients across the groups.
+    replica_group: int = 0
+    replica_groups: int = 1
+    replicas: "Replicas | None" = None  # noqa: F821
 
     @property
     def tp_enabled(self) -> bool:
@@ -176,7 +181,8 @@ class ParallelDims:
 
     @property
     def data_rank(self) -> int:
-        return self.data.get_local_rank() // self.spec.cp  # cp is innermost in `data`
+        here = self.data.get_local_rank() // self.spec.cp  # cp is innermost in `data`
+        return self.replica_group * self.spec.hsdp * self.spec.dp + here
 
     @property
     def cp_rank(self) -> int:
@@ -188,7 +194,7 @@ class ParallelDims:
 
     @property
     def data_size(self) -> int:
-        return self.spec.hsdp * self.spec.dp
+        return self.replica_groups * self.spec.hsdp * self.spec.dp
 
 
 def build_mesh(spec: MeshSpec, device_type: str) -> ParallelDims:

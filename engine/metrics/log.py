@@ -48,6 +48,11 @@ def step_record(step: int, result, seconds: float, shape: RunShape,
         record.update(val_loss=result.val_loss, val_ppl=perplexity(result.val_loss), eval_s=result.eval_s)
     if result.routed:
         record["experts"] = result.routed
+    if result.groups:  # fault-tolerant replica groups (parallel/replicas.py)
+        record.update(committed=result.committed, groups=result.groups, replica_step=result.replica_step,
+                      time=time.time())
+        if result.fingerprint:
+            record["fingerprint"] = result.fingerprint
     return record
 
 
@@ -127,6 +132,10 @@ class StepLog:
         if step % self.every == 0 or step == self.total_steps - 1 or result.val_loss is not None:
             width = len(str(self.total_steps))
             notes = " | SKIPPED (non-finite loss)" if result.skipped else ""
+            if "groups" in record:
+                notes += f" | {result.groups} replica group(s)"
+                if not result.committed:
+                    notes += " | NOT COMMITTED (a replica group failed mid-step; this batch runs again)"
             if "experts" in record:
                 notes += _experts_text(record["experts"])
             if result.val_loss is not None:
