@@ -83,11 +83,16 @@ def wait_for(predicate, seconds: float, what: str):
     raise AssertionError(f"{what}: not within {seconds:.0f} s")
 
 
-def kill_and_rejoin(run_dir: Path, steps: int = 150, kill_after: int = 10) -> dict:
-    """Two replica groups of 2 ranks, started as a user starts them; a rank of group 1
-    SIGKILLed once its group has committed `kill_after` steps; the supervisor starts the group
-    again and it heals. Returns the exit code, the kill's time, each group's records and the
-    supervisor's output."""
+def the_lighthouse(supervisor: int) -> int | None:
+    return next((pid for pid in children(supervisor) if "torchft_lighthouse" in cmdline(pid)), None)
+
+
+def kill_and_rejoin(run_dir: Path, steps: int = 150, kill_after: int = 10, victim=None) -> dict:
+    """Two replica groups of 2 ranks, started as a user starts them; a rank of group 1 (or
+    `victim(supervisor pid)`'s pid) SIGKILLed once group 1 has committed `kill_after` steps;
+    the supervisor starts it again. Returns the exit code, the kill's time, each group's
+    records and the supervisor's output."""
+    victim = victim or (lambda supervisor: a_rank_of_group(supervisor, 1))
     command = [sys.executable, str(REPO / "launch" / "run.py"), "--mesh", "hsdp=2,dp=2", *FT,
                "--set", "fault_tolerance.fingerprint=true", "--set", f"training.steps={steps}",
                "--set", f"run.dir={run_dir}"]
@@ -98,8 +103,7 @@ def kill_and_rejoin(run_dir: Path, steps: int = 150, kill_after: int = 10) -> di
         try:
             wait_for(lambda: sum(r["committed"] for r in records(run_dir / "group-1")) >= kill_after, 240,
                      f"group 1 committing {kill_after} steps")
-            os.kill(wait_for(lambda: a_rank_of_group(supervisor.pid, 1), 30, "finding a rank of group 1"),
-                    signal.SIGKILL)
+            os.kill(wait_for(lambda: victim(supervisor.pid), 30, "finding the process to kill"), signal.SIGKILL)
             killed_at = time.time()
             code = supervisor.wait(timeout=600)
         finally:
@@ -120,9 +124,9 @@ def check_kill_and_rejoin(outcome: dict, steps: int) -> dict:
     for group in outcome["groups"]:
         assert sorted(r["step"] for r in group if r["committed"]) == list(range(steps))
     after_kill = [r for r in survivors if r["time"] > outcome["killed_at"]]
-    went_on = next(r for r in after_kill if r["committed"])
     alone = [r for r in after_kill if r["committed"] and r["groups"] == 1]
     assert alone, "the surviving group never committed a step alone"
+    went_on = alone[0]
     back = [r for r in rejoined if r["time"] > outcome["killed_at"]]
     healed = next(r for r in back if r["committed"] and r["groups"] == 2)
     # After the rejoin the groups' weights are equal at every step both committed together.
@@ -135,6 +139,19 @@ def check_kill_and_rejoin(outcome: dict, steps: int) -> dict:
             "uncommitted": sum(not r["committed"] for r in survivors),
             "alone": len(alone), "together_after_rejoin": len(together),
             "fingerprint": together[-1]["fingerprint"]}
+
+
+def check_lighthouse_restart(outcome: dict, steps: int) -> int:
+    """Asserts what must hold after kill_and_rejoin(victim=the_lighthouse); returns how many
+    steps both groups committed together after the kill."""
+    assert outcome["code"] == 0, outcome["log"][-4000:]
+    assert "the Lighthouse stopped" in outcome["log"], outcome["log"][-4000:]
+    for group in outcome["groups"]:
+        assert sorted(r["step"] for r in group if r["committed"]) == list(range(steps))
+    together = [r for r in outcome["groups"][0]
+                if r["time"] > outcome["killed_at"] and r["committed"] and r["groups"] == 2]
+    assert together, "the groups did not commit a step together after the Lighthouse restarted"
+    return len(together)
 
 
 def drill(runs: int) -> None:

@@ -176,6 +176,12 @@ class DryRunConfig:
     # --plan-for: processes that run the search jobs side by side; 0: one per CPU core, at most 4 (each holds
     # a few GB at 405B: 3.2 to 4.5 GB resident, docs/planning.md)
     search_workers: int = 0
+    # The report's goodput under failures (engine/dryrun/goodput.py): the failure rate, by default Meta's for Llama 3
+    # 405B (466 interruptions in 54 days on 16,384 GPUs), and two times to set to your own: a restart (of the job,
+    # or of one replica group), and the interval between checkpoints. Their defaults are assumptions, not measurements.
+    gpu_failures_per_day: float = 466 / 54 / 16384
+    restart_s: float = 600.0
+    checkpoint_interval_s: float = 1800.0
 
 
 @dataclass
@@ -294,6 +300,9 @@ RANGES = {
     ("dryrun", "gpu_memory_gib"): POSITIVE,
     ("dryrun", "top"): POSITIVE,
     ("dryrun", "search_workers"): Range(0, 256, meaning="0 takes one per CPU core, at most 4"),
+    ("dryrun", "gpu_failures_per_day"): Range(0, meaning="failures per GPU per day; 0: none"),
+    ("dryrun", "restart_s"): Range(0, meaning="seconds a restart takes"),
+    ("dryrun", "checkpoint_interval_s"): Range(0, meaning="seconds between checkpoints"),
     ("fault_tolerance", "group"): Range(0, INT64, meaning="this job's replica group, counted from 0"),
     ("fault_tolerance", "min_groups"): Range(1, INT64, meaning="the replica groups a step needs"),
     ("fault_tolerance", "timeout_s"): POSITIVE,

@@ -4,7 +4,8 @@
 Lighthouse address, starts a torchft Lighthouse and one job per replica group (each
 `launch/run.py` again, with its group's number), and supervises them: a group that
 fails is started again with fault_tolerance.rejoin=true, up to --max-restarts times
-(3 when not given), and heals from the live groups. Bad input (exit 2) in any group stops
+(3 when not given), and heals from the live groups; a Lighthouse that stops is started
+again on its port, and the groups retry their quorum until it answers. Bad input (exit 2) in any group stops
 them all. On several nodes each group is its own job, and this supervision is the
 scheduler's (docs/multinode.md).
 """
@@ -78,8 +79,12 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
     restarts_left = RESTARTS if max_restarts is None else max_restarts
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     port = free_port()
-    lighthouse = subprocess.Popen(lighthouse_command(port, min_groups), stdout=open(Path(run_dir) / "lighthouse.log", "w"),
-                                  stderr=subprocess.STDOUT)
+    lighthouse_log = open(Path(run_dir) / "lighthouse.log", "w")
+
+    def start_lighthouse() -> subprocess.Popen:
+        return subprocess.Popen(lighthouse_command(port, min_groups), stdout=lighthouse_log, stderr=subprocess.STDOUT)
+
+    lighthouse = start_lighthouse()
     address = f"http://localhost:{port}"
     env = dict(os.environ)
     # The groups share this machine's cores: one thread per rank unless the user chose.
@@ -101,6 +106,11 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
             start(group, rejoin=False)
         while running:
             time.sleep(POLL_S)
+            if lighthouse.poll() is not None:
+                # The groups retry their quorum (fault_tolerance.quorum_retries) while it is down.
+                print(f"[replica groups] the Lighthouse stopped with code {lighthouse.returncode}; starting it "
+                      f"again on port {port}", flush=True)
+                lighthouse = start_lighthouse()
             for group, process in list(running.items()):
                 status = process.poll()
                 if status is None:
@@ -122,6 +132,7 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
         stop(running)
         lighthouse.terminate()
         lighthouse.wait()
+        lighthouse_log.close()
     return code
 
 

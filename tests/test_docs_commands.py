@@ -54,6 +54,9 @@ EXPECTED = {
     "--one engine+float8-tensorwise+keep": ['"peak_bytes": 48495485096, "step_s": 0.16664'],
     "--one engine+float8-rowwise+keep": ['"peak_bytes": 48495485096, "step_s": 0.17856'],
     "--parity --mesh dp=2,tp=2 --set parallel.float8=rowwise": ["PASS:", "bfloat16 + float8 rowwise"],
+    "--dry-run --world 16384 --mesh $mesh": ["whole-job restart from the last checkpoint: 87.0%",
+                                             "fault-tolerant replica groups (hsdp=16): 99.5%",
+                                             "fault-tolerant replica groups (hsdp=128): 99.8%"],
     "fault_tolerance.enabled=true --set training.steps": ["[replica groups] group 0 finished",
                                                           "[replica groups] group 1 finished"],
 }

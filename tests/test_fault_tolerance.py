@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from bench.fault_tolerance import check_kill_and_rejoin, kill_and_rejoin, records
+from bench.fault_tolerance import (check_kill_and_rejoin, check_lighthouse_restart, kill_and_rejoin, records,
+                                    the_lighthouse)
 from tests.distributed import launcher
 from tests.test_cli import assert_clean_error, assert_refused
 
@@ -59,29 +60,47 @@ def test_an_unreachable_lighthouse_exits_2_on_the_command_line():
     assert_clean_error(launcher("--mesh", "hsdp=2,dp=2", *FT, "--set", lighthouse, timeout=60), "does not answer")
 
 
+def assert_equal_to_plain_hsdp(tmp_path, mesh: str, *settings: str) -> None:
+    """`mesh` as fault-tolerant replica groups (min_groups=hsdp, so every group takes every step)
+    against one plain torchrun job of the same mesh, float32. The gradient norm and the
+    learning rate are equal to the last bit at every step, on every group: the gradients
+    the optimizer applies are the same. The logged loss is the float32 sum of the data
+    ranks' means, added in another order (the groups' sums, against gloo's over all data
+    ranks), so it may differ in its last bits: within 4 float32 ulps."""
+    common = ("--mesh", mesh, "--set", "training.steps=4", *settings)
+    plain = launcher(*common, "--set", f"run.dir={tmp_path / 'plain'}", timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    groups = int(mesh.split("hsdp=")[1].split(",")[0])
+    ft = launcher(*common, *FT, "--set", f"fault_tolerance.min_groups={groups}", "--set",
+                  f"run.dir={tmp_path / 'ft'}", timeout=300)
+    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
+    expected = records(tmp_path / "plain")
+    assert len(expected) == 4
+    for group in range(groups):
+        logged = [r for r in records(tmp_path / "ft" / f"group-{group}") if r["committed"]]
+        assert all(r["groups"] == groups for r in logged), logged
+        assert [(r["step"], r["grad_norm"], r["lr"]) for r in logged] == \
+            [(r["step"], r["grad_norm"], r["lr"]) for r in expected]
+        for record, reference in zip(logged, expected):
+            assert math.isclose(record["loss"], reference["loss"], rel_tol=4 * 2**-23, abs_tol=0), \
+                (record["loss"], reference["loss"])
+
+
 @pytest.mark.distributed
 @pytest.mark.compat
 def test_fault_tolerant_groups_without_a_failure_equal_plain_hsdp(tmp_path):
-    """hsdp=2,dp=2: two torchrun jobs of 2 ranks joined by torchft (min_groups=2, so both
-    take every step) against one torchrun job of 4 ranks, float32. The gradient norm and the
-    learning rate are equal to the last bit at every step, on both groups: the gradients the
-    optimizer applies are the same. The logged loss is the float32 sum of the 4 data ranks'
-    means, added in another order (two groups' sums, against gloo's over 4 ranks), so it may
-    differ in its last bits: within 4 float32 ulps."""
-    common = ("--mesh", "hsdp=2,dp=2", "--set", "training.steps=4")
-    plain = launcher(*common, "--set", f"run.dir={tmp_path / 'plain'}", timeout=300)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    ft = launcher(*common, *FT, "--set", "fault_tolerance.min_groups=2", "--set", f"run.dir={tmp_path / 'ft'}",
-                  timeout=300)
-    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
-    expected = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records(tmp_path / "plain")]
-    assert len(expected) == 4
-    for group in (0, 1):
-        logged = records(tmp_path / "ft" / f"group-{group}")
-        assert all(r["committed"] and r["groups"] == 2 for r in logged), logged
-        assert [(r["step"], r["grad_norm"], r["lr"]) for r in logged] == [(s, g, lr) for s, _, g, lr in expected]
-        for record, (_, loss, _, _) in zip(logged, expected):
-            assert math.isclose(record["loss"], loss, rel_tol=4 * 2**-23, abs_tol=0), (record["loss"], loss)
+    """Two torchrun jobs of 2 ranks joined by torchft against one job of 4 ranks."""
+    assert_equal_to_plain_hsdp(tmp_path, "hsdp=2,dp=2")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh,settings", [
+    ("pp=2,hsdp=2,tp=2", ("--set", "training.micro_batches=2")),  # every stage's FSDP units average
+    ("hsdp=2,dp=2,cp=2", ()),
+    ("hsdp=3,dp=1", ("--set", "training.global_batch=15")),  # an FSDP unit over one rank, three groups
+])
+def test_fault_tolerant_groups_equal_plain_hsdp_with_other_dimensions(tmp_path, mesh, settings):
+    assert_equal_to_plain_hsdp(tmp_path, mesh, *settings)
 
 
 @pytest.mark.distributed
@@ -94,6 +113,29 @@ def test_a_killed_group_leaves_the_others_training_and_rejoins(tmp_path):
     assert figures["survivors_went_on_s"] < SURVIVORS_BOUND_S, figures
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_training_survives_a_lighthouse_restart(tmp_path):
+    """The Lighthouse SIGKILLed mid-run: the supervisor starts it again on its port, the groups
+    retry their quorum (fault_tolerance.quorum_retries, 20) and both train on together."""
+    check_lighthouse_restart(kill_and_rejoin(tmp_path / "run", steps=60, victim=the_lighthouse), 60)
+
+
 # The Lighthouse drops a silent group after 2 s (launch/replica_groups.py: HEARTBEAT_MS), and the
 # survivors' failed step waits up to fault_tolerance.timeout_s (10 s) for the dead peer.
 SURVIVORS_BOUND_S = 30
+
+
+def test_goodput_at_meta_failure_rate():
+    """engine/dryrun/goodput.py against the same arithmetic done by hand: 466 interruptions
+    in 54 days on 16,384 GPUs is one every 54 x 86,400 / 466 = 10,012 s on a 16,384-GPU
+    job; a whole-job restart loses 600 s + 1,800 / 2 s each, a replica group's failure
+    (hsdp=16, 9.5 s steps) 9.5 + 2 + 600 / 16 s."""
+    from common.config import Config
+    from engine.dryrun.goodput import goodput
+    value = goodput(16384, 16, 9.5, Config().dryrun)
+    between = 54 * 86400 / 466
+    assert math.isclose(value.restart, 1 / (1 + 1500 / between), rel_tol=1e-12)
+    assert math.isclose(value.fault_tolerant, 1 / (1 + 49.0 / between), rel_tol=1e-12)
+    assert math.isclose(value.failures_per_hour, 3600 / between, rel_tol=1e-12)
+    assert goodput(16384, 1, 9.5, Config().dryrun).fault_tolerant is None

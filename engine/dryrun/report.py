@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from engine.dryrun.estimate import device_profile, float8_speedup
+from engine.dryrun.goodput import goodput, render as render_goodput
 
 VERSION = 1
 GIB = 1024 ** 3
@@ -34,7 +35,13 @@ def as_dict(result, cfg) -> dict:
         "step": e.as_dict(),
         "device": dict(vars(cfg.dryrun)),
         "pipeline": pipeline_dict(result, cfg),
+        "goodput": failure_goodput(result, cfg).as_dict(),
     }
+
+
+def failure_goodput(result, cfg):
+    from parallel.mesh import parse_mesh
+    return goodput(result.world_size, parse_mesh(result.mesh).hsdp, result.estimate.step_s, cfg.dryrun)
 
 
 def pipeline_dict(result, cfg) -> dict | None:
@@ -131,6 +138,7 @@ def render(result, cfg) -> str:
     else:
         lines.append(f"  compute {_time(e.compute_s)} + exposed comm {_time(e.exposed_comm_s)} = step {_time(e.step_s)}")
     lines.append(f"  {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}")
+    lines += render_goodput(failure_goodput(result, cfg), cfg.dryrun)
     return "\n".join(lines)
 
 
