@@ -5,9 +5,10 @@ Lighthouse address, starts a torchft Lighthouse and one job per replica group (e
 `launch/run.py` again, with its group's number), and supervises them: a group that
 fails is started again with fault_tolerance.rejoin=true, up to --max-restarts times
 (3 when not given), and heals from the live groups; a Lighthouse that stops is started
-again on its port, and the groups retry their quorum until it answers. Bad input (exit 2) in any group stops
-them all. On several nodes each group is its own job, and this supervision is the
-scheduler's (docs/multinode.md).
+again on its port, and the groups retry their quorum until it answers. Bad input (exit 2)
+or a non-finite loss (exit 3, which every group sees alike) in any group stops them all.
+On several nodes each group is its own job, and this supervision is the scheduler's
+(docs/fault_tolerance.md, "On several nodes").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.errors import EXIT_OK, EXIT_USER_ERROR, UserError
+from common.errors import EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR, UserError
 
 RESTARTS = 3  # when --max-restarts is not given
 # The Lighthouse's clocks: a group whose heartbeat stops for HEARTBEAT_MS is left out of the
@@ -118,7 +119,7 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
                 del running[group]
                 if status == EXIT_OK:
                     print(f"[replica groups] group {group} finished", flush=True)
-                elif status != EXIT_USER_ERROR and restarts_left > 0:
+                elif status not in (EXIT_USER_ERROR, EXIT_NONFINITE_LOSS) and restarts_left > 0:
                     restarts_left -= 1
                     print(f"[replica groups] group {group} stopped with code {status}; starting it again to "
                           f"heal from the live groups ({restarts_left} restart(s) left)", flush=True)
@@ -128,6 +129,7 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
                           flush=True)
                     code = status
                     stop(running)
+                    break
     finally:
         stop(running)
         lighthouse.terminate()

@@ -228,7 +228,7 @@ def check_replica_group_launch(args: argparse.Namespace, cfg) -> None:
     if cfg.fault_tolerance.lighthouse and args.max_restarts is not None and not under_torchrun():
         raise UserError("--max-restarts restarts replica groups that `python launch/run.py` started itself, "
                         "with no fault_tolerance.lighthouse given. A group started on its own is started "
-                        "again by its scheduler (docs/multinode.md).")
+                        "again by its scheduler with fault_tolerance.rejoin=true (docs/fault_tolerance.md).")
     if lighthouse_address(cfg.fault_tolerance):
         check_lighthouse(cfg.fault_tolerance)
 

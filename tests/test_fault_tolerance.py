@@ -139,3 +139,16 @@ def test_goodput_at_meta_failure_rate():
     assert math.isclose(value.fault_tolerant, 1 / (1 + 49.0 / between), rel_tol=1e-12)
     assert math.isclose(value.failures_per_hour, 3600 / between, rel_tol=1e-12)
     assert goodput(16384, 1, 9.5, Config().dryrun).fault_tolerant is None
+
+
+@pytest.mark.distributed
+def test_a_non_finite_loss_stops_every_group_without_restarts(tmp_path):
+    """Every group sees the same loss, averaged over them, so each stops with exit 3; the
+    supervisor passes the code on and restarts none (a restart would meet the same loss)."""
+    result = launcher("--mesh", "hsdp=2,dp=1", *FT, "--set", "training.steps=4", "--set", "optim.lr=1.0e+30",
+                      "--set", "optim.max_norm=0", "--set", "training.global_batch=8", "--set",
+                      f"run.dir={tmp_path}", timeout=300)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "starting it again" not in result.stdout
+    assert "stopping the others" in result.stdout
+    assert "error: the loss is nan at step" in result.stderr
