@@ -262,7 +262,7 @@ def run_step(model, optimizer, scheduler, source, step: int, cfg, dims, device,
     data_s = time.perf_counter() - started
     result = train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm,
                         dims.data.get_group(), t.micro_batches, after_backward=after_backward,
-                        loss=loss_for(cfg.parallel), replicas=getattr(dims, "replicas", None))
+                        loss=loss_for(cfg.parallel), replicas=dims.replicas)
     result.data_s = data_s
     if result.committed and result.groups and cfg.fault_tolerance.fingerprint:
         result.fingerprint = dims.replicas.fingerprint(model)
@@ -280,8 +280,9 @@ def norm_scope(model) -> dict:
             "counted": [p for name, p in model.named_parameters() if name not in copies]}
 
 
-# The data-parallel view of a single process: rank 0 of 1, no group (see parallel/mesh.py).
-ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, cp_rank=0, cp_size=1,
+# The data-parallel view of a single process: rank 0 of 1, no group, no replica groups (see
+# parallel/mesh.py).
+ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, cp_rank=0, cp_size=1, replicas=None,
                              data=SimpleNamespace(get_group=lambda: None))
 
 
@@ -351,7 +352,7 @@ def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
     `eval_source`, when given, is evaluated every eval.every steps and after the last."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
-    replicas = getattr(dims, "replicas", None)
+    replicas = dims.replicas
     if replicas is not None:
         replicas.keep(model, optimizer, scheduler)
         start = replicas.data_position()

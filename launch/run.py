@@ -221,8 +221,8 @@ def whole_world_factor(spec: MeshSpec) -> int:
 
 
 def check_replica_group_launch(args: argparse.Namespace, cfg) -> None:
-    if args.parity or args.resume is not None:
-        raise UserError("fault_tolerance.enabled=true trains; it does not combine with --parity or --resume. "
+    if args.parity:  # --resume meets check_fault_tolerance's refusal of checkpoints first
+        raise UserError("fault_tolerance.enabled=true trains; it does not combine with --parity. "
                         "Compare a fault-tolerant run with a plain hsdp run through their logged losses "
                         "(docs/fault_tolerance.md).")
     if cfg.fault_tolerance.lighthouse and args.max_restarts is not None and not under_torchrun():

@@ -28,6 +28,14 @@ INSTALL = "pip install -e .[ft]  (or pip install torchft)"
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
 
 
+def import_torchft():
+    """torchft, its Rust side's logging at warnings: at INFO it prints every quorum and commit.
+    Its logger reads RUST_LOG once, when the module is first imported."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    import torchft
+    return torchft
+
+
 def lighthouse_address(ft) -> str:
     return ft.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE, "")
 
@@ -38,7 +46,7 @@ def check_fault_tolerance(cfg, spec, plan_names_experts: bool) -> None:
     if not ft.enabled:
         return
     try:
-        import torchft  # noqa: F401
+        import_torchft()
     except ImportError:
         raise UserError(f"fault_tolerance.enabled=true needs torchft, which is not installed. Install it with "
                         f"`{INSTALL}`, or leave fault tolerance off.") from None
@@ -92,18 +100,16 @@ class Replicas:
     """This group's torchft Manager and what the loop asks of it."""
 
     def __init__(self, ft, groups: int, backend: str, run_dir: str):
-        from torchft import Manager
+        torchft = import_torchft()
         from torchft.process_group import ManagedProcessGroup, ProcessGroupGloo, ProcessGroupNCCL
 
-        # torchft's own logging: its Rust side at INFO prints every quorum and commit
-        os.environ.setdefault("RUST_LOG", "warn")
         # A healing group reads the live group's tensors from read-only buffers; they are copied in
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.group, self.groups, self.rejoin = ft.group, groups, ft.rejoin
         timeout = timedelta(seconds=ft.timeout_s)
         across = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
         self._state: dict = {}
-        self.manager = Manager(
+        self.manager = torchft.Manager(
             pg=across, min_replica_size=ft.min_groups, load_state_dict=self._load, state_dict=self._save,
             replica_id=f"meshtrain_{ft.group}", lighthouse_addr=check_lighthouse(ft), timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), use_async_quorum=False,

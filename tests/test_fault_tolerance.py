@@ -37,6 +37,7 @@ BAD_INPUT = [
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe",
       "--set", "parallel.plan=llama_moe"], ["does not take a mixture of experts yet"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--parity"], ["does not combine with --parity"]),
+    (["--mesh", "hsdp=2,dp=2", *FT, "--resume"], ["does not save or resume checkpoints yet"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", f"fault_tolerance.lighthouse=http://127.0.0.1:{closed_port()}"],
      ["does not answer", "torchft_lighthouse"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", "fault_tolerance.lighthouse=nowhere"], ["http://HOST:PORT"]),
