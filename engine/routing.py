@@ -12,6 +12,8 @@ which adds to the totals twice, changes none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,6 +21,7 @@ from torch import nn
 from common.errors import UserError
 
 TOTALS = "routing_totals"
+LOAD = "step_load"  # tokens per expert in the step, over every data rank, until `balance` applies them
 
 
 def routed_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -64,12 +67,14 @@ def begin_step(model: nn.Module, slices: int) -> None:
         module.slices = slices
 
 
-def finish_step(model: nn.Module, data_group, stages, whole: nn.Module, inputs: torch.Tensor) -> dict | None:
+def finish_step(model: nn.Module, data_group, stages, whole: nn.Module, inputs: torch.Tensor,
+                across_groups: Callable | None = None) -> dict | None:
     """After a step's backward: this step's totals of each routed layer summed over the data
-    ranks (hsdp x dp x cp), each router's bias moved by them, and, with `stages` (the
-    pipeline group), the layers of every stage brought to every rank; returns each layer's
-    figures (`summary`), or None where `whole` (the whole model: under pp, every stage's
-    layers) has no routed layer. `inputs`: this rank's rows of the step.
+    ranks (hsdp x dp x cp; with `across_groups`, fault-tolerant replica groups', as
+    Replicas.add_up sums them), kept for `balance`, and, with `stages` (the pipeline group),
+    the layers of every stage brought to every rank; returns each layer's figures
+    (`summary`), or None where `whole` (the whole model: under pp, every stage's layers) has
+    no routed layer. `inputs`: this rank's rows of the step.
 
     Across stages the totals travel as one all-reduce of every routed layer's totals laid
     end to end, each stage filling its own layers' places: plain tensors, so a dry run's
@@ -78,19 +83,33 @@ def finish_step(model: nn.Module, data_group, stages, whole: nn.Module, inputs: 
     if not everywhere:
         return None
     rows = {}
+    groups = 1
     layers = routed_layers(model)
     if layers:
         summed = torch.stack([getattr(module, TOTALS) for _, module in layers])
         if data_group is not None:
             dist.all_reduce(summed, group=data_group)
+        if across_groups is not None:
+            groups = across_groups(summed)
         for (name, module), row in zip(layers, summed):
-            module.balance(row[:-4])
+            setattr(module, LOAD, row[:-4])
             rows[name] = row
     if stages is not None:
         rows = _every_stage(rows, everywhere, stages, inputs.device)
-    tokens_per_step = tokens_in_step(inputs, data_group)
+    tokens_per_step = tokens_in_step(inputs, data_group) * groups
     totals = {name: summary(row.tolist(), tokens_per_step) for name, row in rows.items()}
     return dict(sorted(totals.items(), key=lambda item: _layer_order(item[0])))
+
+
+def balance(model: nn.Module) -> None:
+    """Each router's bias moved by the load finish_step kept: once the step is taken (with
+    fault-tolerant replica groups, only if it commits, so that every group's bias stays the
+    same)."""
+    for _, module in routed_layers(model):
+        load = getattr(module, LOAD, None)
+        if load is not None:
+            module.balance(load)
+            setattr(module, LOAD, None)
 
 
 def stages_all_reduce_bytes(whole: nn.Module) -> int:

@@ -76,13 +76,13 @@ def loss_for(options) -> Callable:
     return compiled_loss_fn() if options.compile and not options.loss_parallel else loss_fn
 
 
-def global_mean(value: torch.Tensor, group, stages=None, replicas=None) -> float:
+def global_mean(value: torch.Tensor, group, stages=None, across_groups: Callable | None = None) -> float:
     """Average a scalar over the data-parallel ranks (gloo has no AVG, so SUM then divide).
     `stages`, the pipeline group, then brings the value from the last stage (the only one
-    that computes a loss; the others hold 0) to every stage. `replicas`: fault-tolerant
-    replica groups, whose sums are added too, in the same dtype, so that the mean is the
-    one plain hsdp computes."""
-    if group is None and stages is None and replicas is None:
+    that computes a loss; the others hold 0) to every stage. `across_groups`, with
+    fault-tolerant replica groups (parallel/replicas.py: Replicas.add_up), adds the groups'
+    sums and returns how many there were, so that the mean is the one plain hsdp computes."""
+    if group is None and stages is None and across_groups is None:
         return value.item()
     value = value.detach().clone()
     if group is not None:
@@ -90,8 +90,8 @@ def global_mean(value: torch.Tensor, group, stages=None, replicas=None) -> float
     if stages is not None:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=stages)
     ranks = dist.get_world_size(group) if group is not None else 1
-    if replicas is not None:
-        ranks *= replicas.add_up(value)
+    if across_groups is not None:
+        ranks *= across_groups(value)
     return value.item() / ranks
 
 
@@ -200,8 +200,10 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
         after_backward()
     # The mean is taken before the update so that every rank sees the same value and
     # takes the same branch below; reading it also waits for the backward on a GPU.
-    loss = global_mean(local_loss, data_group, pipeline_group(model), replicas)
-    routed = routing.finish_step(model, data_group, pipeline_group(model), whole_model(model), inputs)
+    loss = global_mean(local_loss, data_group, pipeline_group(model),
+                       functools.partial(replicas.add_up, with_position=True) if replicas is not None else None)
+    routed = routing.finish_step(model, data_group, pipeline_group(model), whole_model(model), inputs,
+                                 replicas.add_up if replicas is not None else None)
     computed = time.perf_counter()
     if inspect_grads is not None:
         inspect_grads(model)
@@ -212,6 +214,7 @@ def train_step(model, optimizer, scheduler, inputs, targets, max_norm: float,
         optimizer.step()
     if committed:
         scheduler.step()
+        routing.balance(model)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=loss, grad_norm=norm, lr=lr, forward_backward_s=computed - started,
                       optimizer_s=time.perf_counter() - computed, skipped=skipped, routed=routed,
@@ -289,7 +292,8 @@ ONE_DEVICE = SimpleNamespace(data_rank=0, data_size=1, cp_rank=0, cp_size=1, rep
 @torch.no_grad()
 def evaluate(model, source, cfg, dims, device, ids_group=None) -> float:
     """The mean loss over eval.steps global batches of `source`. Every evaluation reads the
-    same batches (batch k of the held-out data), so successive values are comparable."""
+    same batches (batch k of the held-out data), so successive values are comparable. With
+    fault-tolerant replica groups, over the rows of the groups of the step just taken."""
     t = cfg.training
     total = 0.0
     for batch in range(cfg.eval.steps):
@@ -305,7 +309,8 @@ def evaluate(model, source, cfg, dims, device, ids_group=None) -> float:
                 with loss_parallel() if sharded else nullcontext():
                     loss = loss_fn(logits, y) / t.micro_batches
                 local += loss.full_tensor() if sharded else loss
-        total += global_mean(local, dims.data.get_group(), pipeline_group(model))
+        total += global_mean(local, dims.data.get_group(), pipeline_group(model),
+                             dims.replicas.add_up if dims.replicas is not None else None)
     return total / cfg.eval.steps
 
 
@@ -340,50 +345,63 @@ def run_shape(model, cfg, device) -> RunShape:
 
 
 def fault_tolerance_no_live_group(position: int) -> str:
-    return (f"this replica group was started again (fault_tolerance.rejoin=true) at its global batch "
-            f"{position}, but no live replica group was there to heal it from, so its weights would "
-            f"be the initial ones. Start the whole job again, every group with "
-            f"fault_tolerance.rejoin=false.")
+    return (f"this replica group was started again (fault_tolerance.rejoin=true) after it had committed "
+            f"{position} global batches, but no live replica group was there to heal it from, so its "
+            f"weights would be the initial ones. Start the whole job again, every group with "
+            f"fault_tolerance.rejoin=false: it resumes from the last checkpoint, if there is one.")
+
+
+def first_quorum(replicas, log: StepLog) -> int:
+    """With fault-tolerant replica groups: the quorum of the first step, where a group started
+    again heals from a live one. Returns this group's data position: a checkpoint's, a live
+    group's record of it, or 0."""
+    replicas.start_step()
+    if not replicas.healed and replicas.last_position() > 0:
+        raise UserError(fault_tolerance_no_live_group(replicas.last_position()))
+    how = (f"healed from a live group at step {replicas.step}" if replicas.healed else
+           f"at step {replicas.step}")
+    log.print(f"replica group {replicas.group} of {replicas.groups}: {how}, from global batch {replicas.position}")
+    return replicas.position
 
 
 def train(model, cfg, source, dims, device, log: StepLog, unshard=None,
           checkpoint=None, eval_source=None) -> list[StepResult]:
     """`checkpoint` (an engine.checkpoint.Checkpointer) restores state and saves it;
-    `eval_source`, when given, is evaluated every eval.every steps and after the last."""
+    `eval_source`, when given, is evaluated every eval.every steps and after the last.
+    With fault-tolerant replica groups a step that does not commit is taken again with the
+    same batch, and `step` is this group's data position (parallel/replicas.py)."""
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
-    start = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
     replicas = dims.replicas
     if replicas is not None:
         replicas.keep(model, optimizer, scheduler)
-        start = replicas.data_position()
+    step = checkpoint.resume(model, optimizer, scheduler) if checkpoint else 0
+    if replicas is not None:
+        step = first_quorum(replicas, log)
     shape = run_shape(model, cfg, device)
     log.describe(shape)
     ids_group = host_group() if isinstance(source, TokenSource) else None
     results = []
-    step = start
     while step < cfg.training.steps:
-        if replicas is not None:
-            replicas.start_step()  # a group behind the live ones heals here
-            if step == start and start > 0 and replicas.step == 0:
-                raise UserError(fault_tolerance_no_live_group(step))
         result = logged_step(model, optimizer, scheduler, source, step, cfg, dims, device, log, shape, unshard,
                              eval_source, ids_group)
         results.append(result)
-        if not result.committed:
-            continue  # another group failed mid-step: the same batch again, with the groups still alive
-        if replicas is not None and dist.get_rank() == 0:
-            replicas.save_position(step + 1)
-        if result.skipped and not cfg.metrics.skip_nonfinite:
-            log.close()
-            last_good = checkpoint.last_complete() if checkpoint else None
-            raise NonFiniteLoss(
-                f"the loss is {result.loss} at step {step + 1} (counting from 1); the run stops "
-                f"before updating the parameters with it. Last good checkpoint: "
-                f"{last_good or 'none'}. Lower optim.lr or optim.max_norm, or set "
-                f"metrics.skip_nonfinite=true to skip such steps.")
-        if checkpoint:
-            checkpoint.step_finished(step)
-        step += 1
+        if result.committed:
+            if replicas is not None and dist.get_rank() == 0:
+                replicas.save_position()
+            if result.skipped and not cfg.metrics.skip_nonfinite:
+                log.close()
+                last_good = checkpoint.last_complete() if checkpoint else None
+                raise NonFiniteLoss(
+                    f"the loss is {result.loss} at step {step + 1} (counting from 1); the run stops "
+                    f"before updating the parameters with it. Last good checkpoint: "
+                    f"{last_good or 'none'}. Lower optim.lr or optim.max_norm, or set "
+                    f"metrics.skip_nonfinite=true to skip such steps.")
+            if checkpoint:
+                checkpoint.step_finished(step)
+            step += 1
+        if replicas is not None and step < cfg.training.steps:
+            replicas.start_step()  # a group behind the live ones heals here
+            step = replicas.position
     if checkpoint:
         checkpoint.close()
     log.summary(results, shape.tokens_per_step)

@@ -112,9 +112,14 @@ class ParityRun:
         layout_hook = self.record_post_forward_layout(model, applied.blocks[0]) if applied.blocks else None
 
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
+        replicas = self.dims.replicas
+        if replicas is not None:
+            replicas.keep(model, optimizer, scheduler)
         self.ids_group = host_group() if isinstance(self.source, TokenSource) else None
         rows, lrs = [], []
         for step in range(pc.steps):
+            if replicas is not None:
+                replicas.start_step()
             row = {"step": step + 1}
             whole, batch = agree_on_ids(lambda: (None if reference is None else
                                                  self.global_batch(step, reference_device(reference)),
@@ -125,7 +130,9 @@ class ParityRun:
             result = train_step(model, optimizer, scheduler, *batch, cfg.optim.max_norm,
                                 self.dims.data.get_group(), cfg.training.micro_batches,
                                 inspect_grads=self.compare_step0_gradients if step == 0 else None,
-                                loss=loss_for(cfg.parallel))
+                                loss=loss_for(cfg.parallel), replicas=replicas)
+            if replicas is not None:
+                self.check_replica_groups(step, result)
             if step == 0 and layout_hook is not None:
                 layout_hook.remove()
             row["loss"], row["grad_norm"] = result.loss, result.grad_norm
@@ -140,6 +147,8 @@ class ParityRun:
         passed = self.verdict()
         del model, optimizer, reference
         if not passed and pc.localize and pc.reference:
+            if replicas is not None:
+                replicas.start_step()  # the localizer's backward averages across the groups too
             self.report["localizer"] = self.localize()
         if self.rank0:
             self.write_report()
@@ -160,6 +169,8 @@ class ParityRun:
             "settings": {k: v for k, v in vars(cfg.parallel).items() if k not in ("device", "backend")},
             "tolerance": self.tolerance.describe(),
             "golden": cfg.parity.check_against or None, "recorded": cfg.parity.record or None,
+            "replica_group": (f"{self.dims.replica_group} of {self.dims.replica_groups}"
+                              if self.dims.replicas is not None else None),
         })
 
     @staticmethod
@@ -237,6 +248,13 @@ class ParityRun:
                                      abs(self.report["val_loss"] - self.report["reference_val_loss"]),
                                      self.tolerance.loss_at(cfg.parity.steps)))
 
+    def check_replica_groups(self, step: int, result) -> None:
+        """With fault-tolerant replica groups, a step compares only if every group took it and it
+        committed (parity runs with min_groups = hsdp, so a missing group makes it fail)."""
+        missing = self.dims.replica_groups - (result.groups if result.committed else 0)
+        self.checks.append(check_row(f"replica groups missing from step {step + 1}", missing, 0,
+                                     "" if result.committed else "not committed"))
+
     def check_replicated(self, what: str, named) -> None:
         if self.tp_group is None:
             return
@@ -262,7 +280,7 @@ class ParityRun:
         losses, norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
         if self.golden is not None:
             self.checks += trajectory.compare(self.golden, losses, norms, self.gradient_summaries, self.tolerance)
-        if self.cfg.parity.record:
+        if self.cfg.parity.record and (self.dims.replicas is None or self.dims.replicas.group == 0):
             trajectory.write(self.cfg.parity.record, self.cfg, str(self.spec), losses, norms,
                              self.gradient_summaries)
 
@@ -307,11 +325,23 @@ class ParityRun:
         return found
 
     def write_report(self) -> None:
-        path = Path(self.cfg.parity.report or Path(self.cfg.run.dir) / "parity.json")
+        path = report_path(self.cfg, self.dims.replicas)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.report, indent=1, default=str))
         print(format_report(self.report), flush=True)
         print(f"report: {path}", flush=True)
+
+
+def report_path(cfg, replicas) -> Path:
+    """parity.report, or run.dir/parity.json. Every fault-tolerant replica group checks the
+    whole model and reports: group 0 at that path, group N beside it as NAME.group-N.json
+    (in its own folder, group-N/parity.json, without parity.report)."""
+    if replicas is None:
+        return Path(cfg.parity.report or Path(cfg.run.dir) / "parity.json")
+    if not cfg.parity.report:
+        return replicas.folder / "parity.json"
+    given = Path(cfg.parity.report)
+    return given if replicas.group == 0 else given.with_name(f"{given.stem}.group-{replicas.group}{given.suffix}")
 
 
 def run_parity(cfg, spec) -> int:

@@ -73,10 +73,16 @@ def without_restarts(argv: list[str]) -> list[str]:
     return kept
 
 
+# How long the other groups of a --parity check may take to finish their reports once one
+# group has stopped (a FAIL stops every group, each after writing its report)
+REPORT_GRACE_S = 120
+
+
 def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_group: int, min_groups: int,
-                       run_dir: str, max_restarts: int | None) -> int:
+                       run_dir: str, max_restarts: int | None, grace_s: float = 0) -> int:
     """The Lighthouse and `groups` jobs of `script argv`; returns 0 when every group finished,
-    else the code of the group that stopped them."""
+    else the code of the group that stopped them, after `grace_s` for the others to stop
+    on their own."""
     restarts_left = RESTARTS if max_restarts is None else max_restarts
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -128,7 +134,7 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
                     print(f"[replica groups] group {group} stopped with code {status}; stopping the others",
                           flush=True)
                     code = status
-                    stop(running)
+                    stop(running, grace_s)
                     break
     finally:
         stop(running)
@@ -138,8 +144,12 @@ def run_replica_groups(script: Path, argv: list[str], groups: int, ranks_per_gro
     return code
 
 
-def stop(running: dict[int, subprocess.Popen]) -> None:
-    """SIGTERM to each group's launcher, whose torchrun agent stops its ranks."""
+def stop(running: dict[int, subprocess.Popen], grace_s: float = 0) -> None:
+    """SIGTERM to each group's launcher, whose torchrun agent stops its ranks; first, up to
+    `grace_s` for them to stop on their own."""
+    deadline = time.monotonic() + grace_s
+    while any(process.poll() is None for process in running.values()) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
     for process in running.values():
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

@@ -125,8 +125,9 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         raise UserError(f"--nproc {world_size}: give the number of processes to start, at least 1.")
     if cfg.fault_tolerance.enabled and under_torchrun():
         world_size *= whole_world_factor(spec)  # torchrun started one replica group
-        # Each group logs and keeps its data position in a folder of its own.
-        cfg.run.dir = str(Path(cfg.run.dir) / f"group-{cfg.fault_tolerance.group}")
+    if cfg.fault_tolerance.enabled and args.parity:
+        # A parity check compares every step with one device: each must have every group
+        cfg.fault_tolerance.min_groups = spec.hsdp
     spec = spec.resolve(world_size)
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (REPO / data_path).exists():
@@ -161,7 +162,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
         check_hf_export(model, cfg.checkpoint.hf_export)
     from parallel.expert import check_expert_parallel, expert_paths
     from parallel.replicas import check_fault_tolerance
-    check_fault_tolerance(cfg, spec, bool(expert_paths(model, plan)))
+    check_fault_tolerance(cfg, spec)
     check_expert_parallel(model, plan, spec.ep, spec.dp, resolve_reshard(cfg.parallel.reshard_after_forward, spec),
                           spec.shard_size)
     if spec.tp > 1:
@@ -206,7 +207,7 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     if args.parity:
         check_parity(cfg, spec)
     elif not (args.dry_run or args.plan_for):
-        find_checkpoint(cfg)
+        find_checkpoint(cfg, spec)
     if cfg.fault_tolerance.enabled:
         check_replica_group_launch(args, cfg)
     return cfg, spec
@@ -221,10 +222,10 @@ def whole_world_factor(spec: MeshSpec) -> int:
 
 
 def check_replica_group_launch(args: argparse.Namespace, cfg) -> None:
-    if args.parity:  # --resume meets check_fault_tolerance's refusal of checkpoints first
-        raise UserError("fault_tolerance.enabled=true trains; it does not combine with --parity. "
-                        "Compare a fault-tolerant run with a plain hsdp run through their logged losses "
-                        "(docs/fault_tolerance.md).")
+    if args.parity and args.max_restarts is not None:
+        raise UserError("--parity with fault_tolerance.enabled=true restarts no replica group: a group "
+                        "started again would heal from the others instead of computing its steps. Leave "
+                        "out --max-restarts.")
     if cfg.fault_tolerance.lighthouse and args.max_restarts is not None and not under_torchrun():
         raise UserError("--max-restarts restarts replica groups that `python launch/run.py` started itself, "
                         "with no fault_tolerance.lighthouse given. A group started on its own is started "
@@ -267,7 +268,7 @@ def check_parity(cfg, spec) -> None:
                         "trajectory with --set parity.check_against=FILE, or keep the reference.")
 
 
-def find_checkpoint(cfg):
+def find_checkpoint(cfg, spec: MeshSpec):
     """The checkpoint to resume from (engine/checkpoint/store.py: Resume), or None. Every
     way a checkpoint or an init_from file can be wrong that shows without reading its data
     surfaces here, before any process group exists."""
@@ -278,8 +279,12 @@ def find_checkpoint(cfg):
     if init_from and not Path(init_from).is_file():
         raise UserError(f"checkpoint.init_from {init_from!r} does not exist. Give a file written "
                         f"by checkpoint.export.")
+    ft = cfg.fault_tolerance
+    if ft.enabled and ft.rejoin:
+        return None  # a replica group started again heals from a live group instead
     expected = state_dict_shapes(build_on_meta(cfg.model.name, cfg.model.flavor))
-    return resume_folder(to_dict(cfg), cfg.checkpoint, cfg.run.dir, expected, cfg.training.steps)
+    groups = spec.hsdp if ft.enabled else 0
+    return resume_folder(to_dict(cfg), cfg.checkpoint, cfg.run.dir, expected, cfg.training.steps, groups)
 
 
 def launch_under_torchrun(nproc: int, argv: list[str], device: str, max_restarts: int = 0) -> int:
@@ -324,9 +329,11 @@ def launch_replica_groups(args: argparse.Namespace, argv: list[str], cfg, spec: 
     ranks_per_group = spec.world_size // spec.hsdp
     if lighthouse_address(cfg.fault_tolerance):  # checked to answer
         return launch_under_torchrun(ranks_per_group, argv, pick_device(cfg)[0])
-    from launch.replica_groups import run_replica_groups, without_restarts
+    from launch.replica_groups import REPORT_GRACE_S, run_replica_groups, without_restarts
+    # A parity check restarts no group, and lets every group finish its report
     return run_replica_groups(Path(__file__).resolve(), without_restarts(argv), spec.hsdp, ranks_per_group,
-                              cfg.fault_tolerance.min_groups, cfg.run.dir, args.max_restarts)
+                              cfg.fault_tolerance.min_groups, cfg.run.dir, 0 if args.parity else args.max_restarts,
+                              grace_s=REPORT_GRACE_S if args.parity else 0)
 
 
 def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
@@ -344,14 +351,15 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
 
     dims, device = start_process_group(cfg, spec)
     plan = plan_of(cfg)
-    resume_from = agreed(lambda: find_checkpoint(cfg))  # every rank resumes from rank 0's choice
-    log = StepLog(cfg.training.steps, cfg.run.dir, enabled=dist.get_rank() == 0,
+    resume_from = agreed(lambda: find_checkpoint(cfg, spec))  # every rank resumes from rank 0's choice
+    # Each replica group logs into a folder of its own
+    log_dir = dims.replicas.folder if dims.replicas is not None else cfg.run.dir
+    log = StepLog(cfg.training.steps, log_dir, enabled=dist.get_rank() == 0,
                   every=cfg.metrics.log_every, tensorboard=cfg.metrics.tensorboard,
                   append=resume_from is not None or cfg.fault_tolerance.rejoin)
     if dims.replicas is not None:
         log.print(f"fault-tolerant replica group {dims.replica_group} of {dims.replica_groups} "
-                  f"(torchft, Lighthouse {lighthouse_address(cfg.fault_tolerance)}); "
-                  f"from global batch {dims.replicas.data_position()}")
+                  f"(torchft, Lighthouse {lighthouse_address(cfg.fault_tolerance)})")
     log.print(f"mesh {spec} on {dist.get_world_size()} ranks ({device.type}/{pick_device(cfg)[1]}) | "
               f"model {cfg.model.name}/{cfg.model.flavor} | plan {plan.name}")
 
@@ -372,8 +380,9 @@ def train_on_mesh(cfg, spec: MeshSpec, show_plan: bool = False) -> None:
     if ahead:  # each pipeline stage's part gathers its own root and first blocks
         orders = [(part, prefetch_order(part, plan)) for part in parts_of(model)]
         unshard = functools.partial(unshard_ahead, orders, ahead)
-    train(model, cfg, source, dims, device, log, unshard, Checkpointer(cfg, dims, log, resume_from), eval_source)
-    if cfg.checkpoint.hf_export:
+    checkpointer = Checkpointer(cfg, dims, log, resume_from)
+    train(model, cfg, source, dims, device, log, unshard, checkpointer, eval_source)
+    if cfg.checkpoint.hf_export and checkpointer.exports:
         from engine.checkpoint.hf import save_hf
         save_hf(model, cfg.checkpoint.hf_export, carried_from=cfg.checkpoint.hf_import or None)
         log.print(f"exported Hugging Face checkpoint -> {cfg.checkpoint.hf_export}")

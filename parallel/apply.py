@@ -293,8 +293,10 @@ def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
     Over one rank it would only copy (and cast) the experts' weights in and their gradients
     out each step: at dp=4,ep=4 on CPU the debug-moe step against a hand-written script went
     from 1.073 to 1.027 without it (docs/benchmarks.md); there the experts stay
-    whole ep shards and cast themselves to param_dtype (parallel/expert.py)."""
-    return dims.spec.ep > 1 and (dims.expert_fsdp.size() > 1 or options.offload)
+    whole ep shards and cast themselves to param_dtype (parallel/expert.py). With
+    fault-tolerant replica groups FSDP takes them over one rank too: its all-reduce hook is
+    where their gradients are averaged across the groups (step 7)."""
+    return dims.spec.ep > 1 and (dims.expert_fsdp.size() > 1 or options.offload or dims.replicas is not None)
 
 
 def expert_placement(experts: nn.Module, shard_ranks: int):

@@ -8,6 +8,12 @@ the step's average fail, the others do not commit that step, and they go on with
 from the next step. A group started again heals: torchft copies the model, optimizer and
 schedule from a live group before its first step (sync quorum, so no batch is zeroed).
 
+Each group reads its own rows of each global batch, and counts the batches it has
+committed: its data position. A group that was down falls behind the others, so the
+positions differ; every group keeps every group's position (sent with the loss each step,
+and with the state a healing group receives), and a checkpoint records them all, so that a
+whole-job restart starts each group where it stopped (engine/checkpoint/dcp.py).
+
 torchft (pip install -e .[ft]) is imported here only; the rest of the engine sees a
 `Replicas` on ParallelDims, or None.
 """
@@ -40,7 +46,7 @@ def lighthouse_address(ft) -> str:
     return ft.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE, "")
 
 
-def check_fault_tolerance(cfg, spec, plan_names_experts: bool) -> None:
+def check_fault_tolerance(cfg, spec) -> None:
     """Everything about fault_tolerance.* that can be checked before any process starts."""
     ft = cfg.fault_tolerance
     if not ft.enabled:
@@ -60,14 +66,6 @@ def check_fault_tolerance(cfg, spec, plan_names_experts: bool) -> None:
     if ft.min_groups > spec.hsdp:
         raise UserError(f"fault_tolerance.min_groups={ft.min_groups} is more than the {spec.hsdp} replica groups "
                         f"of --mesh {spec}, so no step could commit. Use at most {spec.hsdp}.")
-    if plan_names_experts:
-        raise UserError("fault_tolerance.enabled=true does not take a mixture of experts yet: the router's "
-                        "balance and the experts' groups are not carried across replica groups. Train it "
-                        "with plain hsdp (fault_tolerance.enabled=false).")
-    if cfg.checkpoint.every or cfg.checkpoint.resume == "always" or cfg.checkpoint.init_from:
-        raise UserError("fault_tolerance.enabled=true does not save or resume checkpoints yet: a group that "
-                        "fails heals from a live group instead. Set checkpoint.every=0 and "
-                        "checkpoint.resume=auto, without checkpoint.init_from.")
 
 
 def check_lighthouse(ft) -> str:
@@ -96,6 +94,12 @@ def check_lighthouse(ft) -> str:
     return f"{parsed.scheme or 'http'}://{parsed.hostname}:{port}"
 
 
+def group_folder(run_dir, group: int) -> Path:
+    """Where a replica group writes its own files (step log, data position); checkpoints,
+    common to all groups, stay in run.dir."""
+    return Path(run_dir) / f"group-{group}"
+
+
 class Replicas:
     """This group's torchft Manager and what the loop asks of it."""
 
@@ -115,18 +119,35 @@ class Replicas:
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), use_async_quorum=False,
             quorum_retries=ft.quorum_retries)
         self.process_group = ManagedProcessGroup(self.manager)
-        self.position_file = Path(run_dir) / "data_position.json"
+        self.folder = group_folder(run_dir, ft.group)
+        self.position_file = self.folder / "data_position.json"
+        self.positions = [0] * groups  # every group's committed global batches, as last known here
+        self._sent = None  # the positions the step's groups sent with the loss (add_up)
+        self.healed = False
 
     # What a healing group receives: set by `keep` once the optimizer exists.
     def keep(self, model, optimizer, scheduler) -> None:
         self._state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
 
     def _save(self) -> dict:
-        return {name: part.state_dict() for name, part in self._state.items()}
+        return {**{name: part.state_dict() for name, part in self._state.items()}, "positions": list(self.positions)}
 
     def _load(self, state: dict) -> None:
         for name, part in self._state.items():
             part.load_state_dict(state[name])
+        self.positions = list(state["positions"])
+        self.healed = True
+
+    def restore(self, step: int, positions: list[int], batches_committed: int) -> None:
+        """After loading a checkpoint of `step` committed steps: every group's position then,
+        and torchft's own count, so that all groups restarted from it start at one step."""
+        self.positions = list(positions)
+        self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
+
+    @property
+    def position(self) -> int:
+        """The global batches this group has committed: the next one it reads."""
+        return self.positions[self.group]
 
     def average_gradients(self, module) -> None:
         """Every FSDP module of `module` averages its reduce-scattered gradients over the live
@@ -145,15 +166,32 @@ class Replicas:
         """The quorum of live groups for the next step; a group behind them heals here."""
         self.manager.start_quorum()
 
-    def add_up(self, tensor) -> int:
-        """`tensor` summed in place over the step's live groups; returns how many took part."""
+    def add_up(self, tensor, with_position: bool = False) -> int:
+        """`tensor` summed in place over the step's live groups, in float64; returns how many
+        took part. `with_position` (the step's loss): each group's position after the step
+        rides along (position + 1; 0 from a group that is not there), kept if the step
+        commits."""
+        import torch
         import torch.distributed as dist
-        self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+        size = tensor.numel()
+        both = torch.zeros(size + self.groups, dtype=torch.float64, device=tensor.device)
+        both[:size] = tensor.flatten()
+        if with_position:
+            both[size + self.group] = self.position + 1
+        self.manager.allreduce(both, reduce_op=dist.ReduceOp.SUM).wait()
+        tensor.copy_(both[:size].view_as(tensor))
+        if with_position:
+            self._sent = [int(value) for value in both[size:].tolist()]
         return self.manager.num_participants()
 
     def commit(self) -> bool:
-        """Whether every live group finished the step: only then may the optimizer step."""
-        return self.manager.should_commit()
+        """Whether every live group finished the step: only then may the optimizer step, and
+        each group that took part has advanced by one batch."""
+        committed = self.manager.should_commit()
+        if committed and self._sent is not None:
+            self.positions = [sent or kept for sent, kept in zip(self._sent, self.positions)]
+        self._sent = None
+        return committed
 
     @property
     def step(self) -> int:
@@ -163,20 +201,26 @@ class Replicas:
     def participants(self) -> int:
         return self.manager.num_participants()
 
-    def data_position(self) -> int:
-        """The global batches this group has committed: its own, kept across its restarts
-        (fault_tolerance.rejoin), 0 on a fresh start."""
+    @property
+    def leads(self) -> bool:
+        """Whether this group is the first of the step's live groups: the one that saves
+        checkpoints and writes exports for all of them."""
+        return self.manager.participating_rank() == 0
+
+    def last_position(self) -> int:
+        """The position this group's previous run last wrote (fault_tolerance.rejoin), 0 on a
+        fresh start: a group started again that finds no live group to heal from had one."""
         if not self.rejoin or not self.position_file.exists():
             return 0
         return int(json.loads(self.position_file.read_text())["position"])
 
-    def save_position(self, position: int) -> None:
+    def save_position(self) -> None:
         """After each committed step, on the group's rank 0; written whole (rename), so a kill
         mid-write leaves the previous position."""
+        self.folder.mkdir(parents=True, exist_ok=True)
         partial = self.position_file.with_suffix(".partial")
-        partial.write_text(json.dumps({"position": position, "step": self.step}))
+        partial.write_text(json.dumps({"position": self.position, "step": self.step}))
         os.replace(partial, self.position_file)
-
     @staticmethod
     def fingerprint(model) -> str:
         """The float64 sum and sum of squares of every parameter over the group's ranks, as hex:

@@ -61,6 +61,11 @@ FACTORS: dict[str, tuple] = {
     # are imported) with its experts whole on every rank, or split over ep=2 ranks borrowed
     # from dp (parallel/expert.py).
     "experts": ("dense", "moe", "moe-ep"),
+    # hsdp's replica groups as separate jobs joined through torchft (fault_tolerance.enabled,
+    # parallel/replicas.py), on the meshes that have hsdp. Such a row runs alone through the
+    # launcher: a Lighthouse and one torchrun job per group, each checked against its own
+    # one-device reference.
+    "fault_tolerance": (False, True),
 }
 
 # Sizes per mesh kind, at 4 ranks where the kind allows. An integer reshard needs a
@@ -122,7 +127,9 @@ def allowed(row: dict) -> bool:
 
     ep borrows from dp, so it needs a mesh with dp >= 2: not the pipeline meshes
     other than pp=2,dp=2, nor the cp meshes other than dp=2,cp=2; and the engine refuses
-    it with an integer reshard (parallel/expert.py: check_expert_parallel)."""
+    it with an integer reshard (parallel/expert.py: check_expert_parallel).
+
+    Fault-tolerant replica groups are hsdp's, so they need a mesh with hsdp."""
     if "tp" not in row.get("mesh", "tp") and (row.get("sequence_parallel") or row.get("loss_parallel")):
         return False
     more_ranks = row.get("reshard_after_forward") == "2" and row.get("mesh", "dp") != "dp"
@@ -135,6 +142,8 @@ def allowed(row: dict) -> bool:
     if row.get("float8") == "tensorwise" and row.get("context_parallel"):
         return False  # scales per cp chunk, which --parity cannot reproduce (launch/run.py: check_parity)
     experts = row.get("experts", "dense")
+    if row.get("fault_tolerance") and row.get("mesh", "hsdp") not in ("hsdp", "hsdp-dp-tp"):
+        return False
     if experts == "moe-ep" and (row.get("reshard_after_forward") == "2"
                                 or (row.get("context_parallel") and row.get("mesh", "dp") != "dp")):
         return False
@@ -270,6 +279,7 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
             f"optim.name={row['optimizer']}", f"parity.layers={layers_of(row)}",
             *((f"eval.every={STEPS}", "eval.steps=1", "data.holdout=0.2") if row["evaluation"] else ()),
             *(MOE if row["experts"] != "dense" else ()),
+            *(("fault_tolerance.enabled=true",) if row["fault_tolerance"] else ()),
             *((f"checkpoint.hf_import={hf_folder(hf_root, row) if hf_root else 'HF_ROOT/' + hf_folder_name(row)}",)
               if row["weights"] != "seed" else
               (f"model.flavor=debug-moe{'-deep' * deep}",) if row["experts"] != "dense" else
@@ -277,22 +287,24 @@ def overrides(row: dict, hf_root=None) -> tuple[str, ...]:
 
 
 # The pair order whose rows cost least to run, of orders 0 to 119 (fewest compiled rows,
-# then fewest ranks in all): 28 rows, 5 of them compiled (3 of those with tp, cp or ep,
-# which run again on a warm cache), 5 on 8 ranks and 1 on 16; 144 ranks in all (order 70
-# gives 27 rows but 148 ranks). Compiled rows cost the most on 2 cores, then rows above
-# 4 ranks; `python -m tests.combinations --orders 120` prints each order's rows, compiled
-# rows and ranks in all.
-ROW_ORDER = 51
+# then fewest fault-tolerant ones, which run alone with a Lighthouse and a job per group,
+# then fewest ranks in all): 26 rows, 5 of them compiled, 6 fault-tolerant, 144 ranks in
+# all. Compiled rows cost the most on 2 cores, then rows above 4 ranks;
+# `python -m tests.combinations --orders 120` prints each order's rows, compiled rows,
+# fault-tolerant rows and ranks in all.
+ROW_ORDER = 64
 ROWS = generate(order=ROW_ORDER)
 
 
 def value_rows(rows: list[dict]) -> list[int]:
     """A few of `rows` in which every value of every setting appears at least once (greedy:
     the row adding the most values not yet seen per unit of cost, its ranks plus 16 if it
-    compiles, since on 2 cores a compiled row costs about what a 16-rank one does). The
-    other torch versions run these (`make test-compat`); the pinned one runs every row."""
+    compiles, since on 2 cores a compiled row costs about what a 16-rank one does, and 16
+    more if it is fault-tolerant, since it runs alone, with a Lighthouse and a job per
+    group, where the others share a job). The other torch versions run these
+    (`make test-compat`); the pinned one runs every row."""
     def cost(i: int) -> int:
-        return _ranks(rows[i]) + 16 * rows[i]["compile"]
+        return _ranks(rows[i]) + 16 * rows[i]["compile"] + 16 * rows[i]["fault_tolerance"]
     needed = {(name, row[name]) for row in rows for name in FACTORS}
     chosen: list[int] = []
     while needed:
@@ -311,6 +323,7 @@ if __name__ == "__main__":
         for order in range(int(sys.argv[2])):
             rows = generate(order=order)
             print(f"order {order}: {len(rows)} rows, {sum(r['compile'] for r in rows)} compiled, "
+                  f"{sum(r['fault_tolerance'] for r in rows)} fault-tolerant, "
                   f"{sum(_ranks(r) for r in rows)} ranks in all", flush=True)
         sys.exit()
     for index, row in enumerate(ROWS):

@@ -320,8 +320,8 @@ def test_damaged_newest_checkpoint_is_passed_over_before_any_process_group(refer
 
     run_dir, cause, before = damaged_run(reference, tmp_path, damage)
     args = parse_args(run_args(run_dir, MESH, "--set", "training.steps=8"))
-    cfg, _ = check(args, None)
-    chosen = find_checkpoint(cfg)
+    cfg, spec = check(args, None)
+    chosen = find_checkpoint(cfg, spec)
     assert chosen.folder == checkpoint(run_dir, 3)
     assert [path for path, _ in chosen.skipped] == [str(checkpoint(run_dir, STEPS))]
     assert re.search(cause, chosen.skipped[0][1]), chosen.skipped

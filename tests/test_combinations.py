@@ -9,7 +9,8 @@ transformers' on the same batch.
 
 The rows of one world size run one after another in one torchrun job
 (tests/distributed.py: run_together), real processes and process groups, started once;
-a row that job did not finish runs alone through the launcher. The compiled rows run in
+a row that job did not finish runs alone through the launcher, and so does a row of
+fault-tolerant replica groups (a Lighthouse and one job per group). The compiled rows run in
 jobs of their own, on a compile cache of their own, and then again on the cache that
 first run filled, as a user's second run does. On torch before 2.13,
 the ZBVZeroBubble rows (parallel/pipeline.py: runs_on_backend) must be refused instead, so
@@ -17,7 +18,7 @@ there the pairs only they hold are checked on the newer versions alone.
 
 Every row runs on the pinned torch (`make test-matrix`). The other versions (`make test-compat`)
 run the rows of VALUE_ROWS, in which every value of every setting appears once or more
-(8 rows, one of them compiled): each feature meets each version, and the pairs are
+(9 rows, one of them compiled and fault-tolerant): each feature meets each version, and the pairs are
 proven on the pinned one."""
 
 from itertools import combinations
@@ -44,7 +45,7 @@ def test_every_pair_of_values_appears_in_some_row():
     covered = set().union(*(_pairs(row) for row in ROWS))
     assert set(all_pairs()) <= covered
     assert all(allowed(row) for row in ROWS)
-    assert (len(ROWS), len(all_pairs())) == (28, 1302)  # docs/parallelism.md quotes both
+    assert (len(ROWS), len(all_pairs())) == (26, 1406)  # docs/parallelism.md quotes both
 
 
 def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
@@ -60,7 +61,8 @@ def test_only_the_pairs_no_valid_row_can_hold_are_left_out():
                 + 1  # compile x hsdp x dp x tp, 8 ranks
                 + 1  # float8 tensorwise (with float8 all-gathers) x an integer reshard
                 + 1  # float8 tensorwise x cp, which --parity refuses
-                + 1)  # ep x an integer reshard
+                + 1  # ep x an integer reshard
+                + 2)  # fault-tolerant replica groups x a mesh without hsdp (dp, dp x tp)
     assert possible - len(all_pairs()) == left_out
     assert set(PIPELINE_MESHES) == set(MESHES) - {"hsdp-dp-tp"}
 
@@ -87,7 +89,8 @@ def warm_rows(indices) -> list[int]:
     def collectives_compiled(row: dict) -> bool:
         spec = parse_mesh(mesh_of(row))
         return spec.tp > 1 or spec.cp > 1 or spec.ep > 1
-    return [i for i in indices if ROWS[i]["compile"] and collectives_compiled(ROWS[i]) and runs_here(ROWS[i])]
+    return [i for i in indices if ROWS[i]["compile"] and collectives_compiled(ROWS[i]) and runs_here(ROWS[i])
+            and not ROWS[i]["fault_tolerance"]]
 
 
 # The command a user ran twice, the second time on the cache the first had filled, and
@@ -103,7 +106,10 @@ def warm_cases(indices: list[int], hf_root) -> list[tuple]:
 @pytest.fixture(scope="session")
 def row_report(tmp_path_factory, request, hf_root, compile_cache):
     root = tmp_path_factory.mktemp("combinations")
-    chosen = [i for i in selected(request.session, __name__, "index") if runs_here(ROWS[i])]
+    # A fault-tolerant row is a Lighthouse and a job per replica group: parity_report runs it
+    # alone, through the launcher
+    chosen = [i for i in selected(request.session, __name__, "index")
+              if runs_here(ROWS[i]) and not ROWS[i]["fault_tolerance"]]
     compiled = warm_rows(chosen)
     run_together(root, cases([i for i in chosen if i not in compiled], hf_root))
     failures = run_together(root, warm_cases(compiled, hf_root), env={"TORCHINDUCTOR_CACHE_DIR": str(compile_cache)})
@@ -236,7 +242,8 @@ def test_integer_reshard_really_reshards_onto_groups_of_two(row_report, index):
     row = ROWS[index]
     sizes = dict(item.split("=") for item in mesh_of(row).split(","))
     tp = int(sizes.get("tp", 1))
-    groups = int(sizes.get("hsdp", 1)) * int(sizes.get("dp", 1)) * int(sizes.get("cp", 1)) // 2
+    replicas = 1 if row["fault_tolerance"] else int(sizes.get("hsdp", 1))  # a replica group's mesh has no hsdp
+    groups = replicas * int(sizes.get("dp", 1)) * int(sizes.get("cp", 1)) // 2
     mesh, placements, local_shape = row_report(index)[0]["post_forward_layout"]["attention.wq.weight"]
     assert local_shape == [256 // tp // 2, 256]  # tp splits the rows, the group of 2 halves them again
     if tp == 1:
@@ -258,6 +265,7 @@ def test_reshard_true_returns_to_the_whole_shard_group(row_report):
     index = next((i for i in candidates if i in VALUE_ROWS), candidates[0])
     spec = parse_mesh(mesh_of(ROWS[index]))
     mesh, _, local_shape = row_report(index)[0]["post_forward_layout"]["attention.wq.weight"]
-    sizes = [size for size, kept in ((spec.hsdp, spec.hsdp > 1), (spec.shard_size, True), (spec.tp, spec.tp > 1))
+    replicated = spec.hsdp > 1 and not ROWS[index]["fault_tolerance"]  # a replica group's mesh has no hsdp
+    sizes = [size for size, kept in ((spec.hsdp, replicated), (spec.shard_size, True), (spec.tp, spec.tp > 1))
              if kept]
     assert mesh == str(tuple(sizes)) and local_shape == [256 // spec.tp // spec.shard_size, 256]

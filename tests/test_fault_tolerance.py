@@ -8,6 +8,7 @@ one torchrun job of the same mesh.
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import sys
@@ -33,11 +34,8 @@ BAD_INPUT = [
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", "fault_tolerance.group=2"], ["numbered 0 to 1"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", "fault_tolerance.min_groups=3"], ["no step could commit"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", "fault_tolerance.group=-1"], ["fault_tolerance.group"]),
-    (["--mesh", "hsdp=2,dp=2", *FT, "--set", "checkpoint.every=5"], ["does not save or resume checkpoints yet"]),
-    (["--mesh", "hsdp=2,dp=2", *FT, "--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe",
-      "--set", "parallel.plan=llama_moe"], ["does not take a mixture of experts yet"]),
-    (["--mesh", "hsdp=2,dp=2", *FT, "--parity"], ["does not combine with --parity"]),
-    (["--mesh", "hsdp=2,dp=2", *FT, "--resume"], ["does not save or resume checkpoints yet"]),
+    (["--mesh", "hsdp=2,dp=2", *FT, "--parity", "--max-restarts", "1"], ["restarts no replica group"]),
+    (["--mesh", "hsdp=2,dp=2", *FT, "--resume", "--set", "run.dir=/nonexistent/ft"], ["holds no complete checkpoint"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", f"fault_tolerance.lighthouse=http://127.0.0.1:{closed_port()}"],
      ["does not answer", "torchft_lighthouse"]),
     (["--mesh", "hsdp=2,dp=2", *FT, "--set", "fault_tolerance.lighthouse=nowhere"], ["http://HOST:PORT"]),
@@ -99,9 +97,104 @@ def test_fault_tolerant_groups_without_a_failure_equal_plain_hsdp(tmp_path):
     ("pp=2,hsdp=2,tp=2", ("--set", "training.micro_batches=2")),  # every stage's FSDP units average
     ("hsdp=2,dp=2,cp=2", ()),
     ("hsdp=3,dp=1", ("--set", "training.global_batch=15")),  # an FSDP unit over one rank, three groups
+    # A mixture of experts split over ep=2 inside each group, with a sigmoid router whose bias
+    # moves by the load over every group, and the load-balancing loss
+    ("hsdp=2,dp=2,ep=2", ("--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe-sigmoid", "--set",
+                          "parallel.plan=llama_moe", "--set", "moe.bias_rate=0.01", "--set", "moe.load_balance=0.01")),
 ])
 def test_fault_tolerant_groups_equal_plain_hsdp_with_other_dimensions(tmp_path, mesh, settings):
     assert_equal_to_plain_hsdp(tmp_path, mesh, *settings)
+
+
+@pytest.mark.distributed
+def test_parity_checks_fault_tolerant_groups_against_one_device_and_plain_hsdp(tmp_path):
+    """--parity runs each replica group against the one-device reference (every group in
+    every step: parity sets min_groups to hsdp), with the tolerances of docs/parity.md, and
+    against the trajectory a plain hsdp=2,tp=2 parity run recorded: both groups PASS. The
+    held-out loss after the last step is the mean over every group's rows, as one device's."""
+    plain = tmp_path / "plain.json"
+    evaluation = ("--set", "eval.every=5", "--set", "eval.steps=1", "--set", "data.holdout=0.2")
+    recorded = launcher("--parity", "--mesh", "hsdp=2,tp=2", *evaluation, "--set", f"parity.record={plain}",
+                        "--set", f"run.dir={tmp_path / 'plain'}", timeout=300)
+    assert recorded.returncode == 0, recorded.stdout[-3000:]
+    checked = launcher("--parity", "--mesh", "hsdp=2,tp=2", *FT, *evaluation, "--set",
+                       f"parity.check_against={plain}", "--set", f"run.dir={tmp_path / 'ft'}", timeout=300)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    for group in (0, 1):
+        report = json.loads((tmp_path / "ft" / f"group-{group}" / "parity.json").read_text())
+        assert report["verdict"] == "PASS" and report["replica_group"] == f"{group} of 2", report["checks"]
+        names = [check["name"] for check in report["checks"]]
+        assert sum(name.startswith("replica groups missing") for name in names) == 5, names
+        assert any(name.startswith("golden loss") for name in names), names
+        assert "validation loss after 5 steps" in names, names
+
+
+# A constant learning rate: a run of 2 steps and its continuation to 4 take the same updates
+# as one run of 4 (the schedule's length is training.steps).
+CONSTANT_LR = ("--set", "optim.warmup_steps=0", "--set", "optim.min_lr_ratio=1.0")
+TWO_GROUPS = ("--mesh", "hsdp=2,dp=1", "--set", "training.global_batch=8", *CONSTANT_LR, "--set",
+              "checkpoint.every=2")
+
+
+def run_groups(run_dir, steps: int, *settings: str):
+    result = launcher(*TWO_GROUPS, *FT, "--set", f"training.steps={steps}", "--set", f"run.dir={run_dir}",
+                      *settings, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def figures(logged):
+    return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in logged if r.get("committed", True)]
+
+
+@pytest.mark.distributed
+def test_a_whole_job_restart_resumes_every_group_from_the_checkpoint(tmp_path):
+    """Fault-tolerant replica groups save checkpoints (the first live group writes them into
+    run.dir/checkpoints; the first run's save is asynchronous) and a whole-job restart
+    resumes from them: 2 steps, then the same command to 4, equals one run of 4 on every
+    group, bit for bit, float32 (min_groups=2: both
+    groups take every step). The checkpoint also reshards out of fault tolerance: a plain
+    hsdp=2 job resumed from it takes the same gradients (grad norm and lr to the last bit,
+    the loss within 4 float32 ulps, as in assert_equal_to_plain_hsdp)."""
+    both = ("--set", "fault_tolerance.min_groups=2")
+    run_groups(tmp_path / "whole", 4, *both)
+    run_groups(tmp_path / "restarted", 2, *both, "--set", "checkpoint.async_save=true")
+    run_groups(tmp_path / "restarted", 4, *both)
+    expected = figures(records(tmp_path / "whole" / "group-0"))
+    assert [r[0] for r in expected] == [0, 1, 2, 3]
+    for group in (0, 1):
+        assert figures(records(tmp_path / "whole" / f"group-{group}")) == expected
+        assert figures(records(tmp_path / "restarted" / f"group-{group}")) == expected
+    meta = json.loads((tmp_path / "restarted" / "checkpoints" / "step-00000004" / "meta.json").read_text())
+    assert meta["fault_tolerance"]["positions"] == [4, 4] and meta["mesh"] == "hsdp=2", meta
+    plain = launcher(*TWO_GROUPS, "--set", "training.steps=4", "--set", f"run.dir={tmp_path / 'plain'}",
+                     "--resume", str(tmp_path / "restarted" / "checkpoints" / "step-00000002"), timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    resumed = figures(records(tmp_path / "plain"))
+    assert [r[0] for r in resumed] == [2, 3]
+    for (step, loss, norm, lr), (_, expected_loss, expected_norm, expected_lr) in zip(resumed, expected[2:]):
+        assert (norm, lr) == (expected_norm, expected_lr), step
+        assert math.isclose(loss, expected_loss, rel_tol=4 * 2**-23, abs_tol=0), (step, loss, expected_loss)
+
+
+@pytest.mark.distributed
+def test_groups_resume_at_their_own_data_positions(tmp_path):
+    """A checkpoint taken while group 1 was behind (its positions set here to what a run with
+    group 1 down for a step records: step 2, group 0 at batch 2, group 1 at batch 1): each
+    group resumes at its own batch and reads each of its batches once, group 1 alone for its
+    last one. Only the same groups can resume it: a plain run, or 3 groups, are refused."""
+    run_groups(tmp_path / "first", 2, "--set", "fault_tolerance.min_groups=2")
+    saved = tmp_path / "first" / "checkpoints" / "step-00000002"
+    meta = json.loads((saved / "meta.json").read_text())
+    meta["fault_tolerance"]["positions"] = [2, 1]
+    (saved / "meta.json").write_text(json.dumps(meta))
+    for other in (["--mesh", "hsdp=2,dp=1"], ["--mesh", "hsdp=3,dp=1", *FT]):
+        assert_refused([*TWO_GROUPS, *other, "--set", "training.steps=4", "--set", "training.global_batch=12",
+                        "--resume", str(saved)], "only resumes as those 2 groups", "hsdp=2")
+    run_groups(tmp_path / "first", 4)
+    committed = {group: [r["step"] for r in records(tmp_path / "first" / f"group-{group}") if r["committed"]]
+                 for group in (0, 1)}
+    assert committed == {0: [0, 1, 2, 3], 1: [0, 1, 1, 2, 3]}, committed
 
 
 @pytest.mark.distributed

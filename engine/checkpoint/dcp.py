@@ -6,11 +6,18 @@ rank's RNG states. The data position is the step itself: sample i of step s is
 a pure function of (seed, s, i) (engine/data/sources.py), so it carries over to any
 data-parallel size unchanged. On-disk layout and the all-or-nothing rules live
 in engine/checkpoint/store.py.
+
+With fault-tolerant replica groups (parallel/replicas.py) the step is the groups' common
+count of committed steps, and each group's data position is its own: the first of the
+step's live groups saves, into run.dir/checkpoints as always, and its meta.json records
+every group's position and torchft's count, so that every group of a whole-job restart
+starts from the same weights at its own position.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
@@ -109,8 +116,9 @@ class Checkpointer:
                     raise
                 rest = store.Candidates(chosen.fallbacks, True, [*chosen.skipped, (str(chosen.folder), err.cause)])
                 shapes = store.state_dict_shapes(whole_model(model))
+                groups = self.dims.replicas.groups if self.dims.replicas is not None else 0
                 self.resume_from = agreed(lambda: store.choose(rest, to_dict(self.cfg), shapes,
-                                                               self.cfg.training.steps), self.group)
+                                                               self.cfg.training.steps, groups), self.group)
         if chosen.skipped and self.rank == 0:
             kept = store.set_aside(self.root, chosen.skipped, chosen.folder)
             self.log.print(f"warning: {'; '.join(why for _, why in chosen.skipped)}; resumed from {chosen.folder} "
@@ -145,30 +153,57 @@ class Checkpointer:
                    f"global batch {step}, so nothing is converted")
         rng = ("each rank's own" if same_world else
                f"rank 0's on every rank, since the world size changed from {meta['world_size']}")
+        replicas = self.dims.replicas
+        positions = store.data_positions(meta, replicas.groups if replicas is not None else 0)
+        position = positions[replicas.group] if replicas is not None else step
+        if replicas is not None:
+            replicas.restore(step, positions, meta.get("fault_tolerance", {}).get("batches_committed", step))
+        where = (f"data position = step {step}" if positions == [step] * len(positions) else
+                 f"each replica group's data position, global batches {positions}")
         self.log.print(f"resumed from {folder} (saved on mesh {meta['mesh']}) after {step} steps; "
-                       f"data position = step {step}, since sample i of step s depends only on "
+                       f"{where}, since sample i of step s depends only on "
                        f"(seed, s, i) ({carried}); RNG states: {rng}")
-        if step == self.cfg.training.steps:
-            self.log.print(f"the checkpoint already reaches training.steps={step}: nothing to train. "
+        if position == self.cfg.training.steps:
+            self.log.print(f"the checkpoint already reaches training.steps={position}: nothing to train. "
                            f"Raise training.steps to continue, or use a new run.dir.")
         return step
 
     def step_finished(self, step: int) -> None:
-        """Called after step index `step`; saves when a checkpoint is due."""
-        done, every = step + 1, self.cfg.checkpoint.every
-        if every and (done % every == 0 or done == self.cfg.training.steps):
+        """Called after step index `step` (with replica groups, this group's data position
+        before the step); saves when a checkpoint is due."""
+        done, every, last = step + 1, self.cfg.checkpoint.every, step + 1 == self.cfg.training.steps
+        replicas = self.dims.replicas
+        if replicas is not None:
+            if not replicas.leads:
+                return
+            done = replicas.step
+        if every and (done % every == 0 or last):
             self.save(done)
+
+    @property
+    def exports(self) -> bool:
+        """Whether this run writes the exports at the end: with replica groups, only the first
+        of the last step's live groups (the others have the same weights)."""
+        return self.dims.replicas is None or self.dims.replicas.leads
 
     def last_complete(self) -> Path | None:
         """The newest checkpoint that finished saving (what `latest` names)."""
         return store.latest(self.root)
 
     def _meta(self, step: int) -> dict:
-        return {"step": step, "mesh": str(self.dims.spec), "world_size": dist.get_world_size(),
+        replicas = self.dims.replicas
+        # With replica groups this job's mesh is one group's (hsdp=1): the mesh saved is the whole
+        mesh = self.dims.spec if replicas is None else replace(self.dims.spec, hsdp=replicas.groups)
+        meta = {"step": step, "mesh": str(mesh), "world_size": dist.get_world_size(),
                 "data_size": self.dims.data_size, "data_position": {"step": step},
                 "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "torch": torch.__version__, "state_dict": store.state_dict_shapes(whole_model(self.model)),
                 "config": to_dict(self.cfg)}
+        if replicas is not None:
+            meta["fault_tolerance"] = {"groups": replicas.groups, "positions": list(replicas.positions),
+                                       "batches_committed": replicas.manager.batches_committed(),
+                                       "saved_by_group": replicas.group}
+        return meta
 
     def save(self, step: int) -> None:
         self.wait()
@@ -217,6 +252,6 @@ class Checkpointer:
     def close(self) -> None:
         """At the end of training: wait for an async save, then write the export if asked."""
         self.wait()
-        if self.cfg.checkpoint.export:
+        if self.cfg.checkpoint.export and self.exports:
             export_full(self.model, self.cfg.checkpoint.export)
             self.log.print(f"exported full weights -> {self.cfg.checkpoint.export}")

@@ -120,8 +120,35 @@ def _meta_fields_ok(meta) -> bool:
             and all(isinstance(shape, list) for shape in meta["state_dict"].values()))
 
 
+def data_positions(meta: dict, groups: int) -> list[int]:
+    """Where each of `groups` fault-tolerant replica groups starts reading, from a checkpoint's
+    meta.json (groups=0: a plain run, one position). A plain checkpoint, or one whose groups
+    all stopped at its step, starts every group at the step. Groups that stopped at different
+    global batches (one was down while the others trained) can only go on as the same groups:
+    each reads its own rows of each batch."""
+    step, saved = meta["step"], meta.get("fault_tolerance")
+    if saved is None:
+        return [step] * max(groups, 1)
+    positions = saved.get("positions") if isinstance(saved, dict) else None
+    if not (isinstance(positions, list) and positions and all(type(p) is int and 0 <= p <= step for p in positions)
+            and type(saved.get("batches_committed")) is int):
+        raise Unreadable(f"checkpoint of step {step} has a {META} whose fault_tolerance section is not "
+                         f"one a save writes (positions: a list of global batches, each at most the step; "
+                         f"batches_committed: a count)")
+    if positions == [step] * len(positions):
+        return [step] * max(groups, 1)
+    if groups != len(positions):
+        now = f"{groups} fault-tolerant replica groups" if groups else "a run without fault tolerance"
+        raise UserError(f"the checkpoint of step {step} was saved by {len(positions)} fault-tolerant replica "
+                        f"groups whose data positions ({positions} global batches) are not its step (a group "
+                        f"was down while the others trained), so it only resumes as those {len(positions)} "
+                        f"groups, each from its own batch, not as {now}. Resume it with hsdp={len(positions)} "
+                        f"and fault_tolerance.enabled=true (the rest of the mesh may change).")
+    return positions
+
+
 def check_resumable(folder: Path, meta: dict, cfg_dict: dict, expected: dict[str, list[int]],
-                    total_steps: int) -> None:
+                    total_steps: int, groups: int = 0) -> None:
     model = f"{cfg_dict['model']['name']}/{cfg_dict['model']['flavor']}"
     check_keys(meta["state_dict"], expected, f"checkpoint {str(folder)!r} (model "
                f"{meta['config']['model']['name']}/{meta['config']['model']['flavor']})", model)
@@ -133,8 +160,9 @@ def check_resumable(folder: Path, meta: dict, cfg_dict: dict, expected: dict[str
                         f"what each step computes; the mesh, training.steps, metrics, run and "
                         f"checkpoint keys may change. To start a new run from these weights, export "
                         f"them and use checkpoint.init_from.")
-    if meta["step"] > total_steps:
-        raise UserError(f"checkpoint {str(folder)!r} is at step {meta['step']}, past "
+    position = max(data_positions(meta, groups))
+    if position > total_steps:
+        raise UserError(f"checkpoint {str(folder)!r} is at global batch {position}, past "
                         f"training.steps={total_steps}. Raise training.steps to continue it.")
 
 
@@ -225,7 +253,8 @@ def find_resume(ckpt_cfg, run_dir: str | Path) -> Candidates:
     return Candidates([])
 
 
-def choose(candidates: Candidates, cfg_dict: dict, expected: dict[str, list[int]], total_steps: int) -> Resume:
+def choose(candidates: Candidates, cfg_dict: dict, expected: dict[str, list[int]], total_steps: int,
+           groups: int = 0) -> Resume:
     """The first candidate whose meta.json and .metadata read and whose data files are all
     there, checked against this run. A damaged one is passed over only when `fallback`
     allows; a config or model that does not fit is an error whichever folder it is."""
@@ -234,12 +263,13 @@ def choose(candidates: Candidates, cfg_dict: dict, expected: dict[str, list[int]
         try:
             meta = read_meta(folder)
             check_readable(folder)
+            data_positions(meta, groups)
         except Unreadable as err:
             if not candidates.fallback:
                 raise
             skipped.append((str(folder), err.cause))
             continue
-        check_resumable(folder, meta, cfg_dict, expected, total_steps)
+        check_resumable(folder, meta, cfg_dict, expected, total_steps, groups)
         return Resume(folder, meta, candidates.fallback, candidates.folders[number + 1:], skipped)
     raise UserError(f"no checkpoint of this run can be read: {'; '.join(why for _, why in skipped)}. Resume "
                     f"from a good folder with --resume FOLDER, or start over in a new run.dir (nothing was "
@@ -247,11 +277,11 @@ def choose(candidates: Candidates, cfg_dict: dict, expected: dict[str, list[int]
 
 
 def resume_folder(cfg_dict: dict, ckpt_cfg, run_dir, expected: dict[str, list[int]],
-                  total_steps: int) -> Resume | None:
+                  total_steps: int, groups: int = 0) -> Resume | None:
     """find_resume, then every check that can fail before training: a UserError, or the
-    checkpoint to start from."""
+    checkpoint to start from. `groups`: fault-tolerant replica groups (0: none)."""
     candidates = find_resume(ckpt_cfg, run_dir)
-    return choose(candidates, cfg_dict, expected, total_steps) if candidates.folders else None
+    return choose(candidates, cfg_dict, expected, total_steps, groups) if candidates.folders else None
 
 
 def set_aside(root: Path, skipped: list[tuple[str, str]], resumed: Path) -> list[str]:

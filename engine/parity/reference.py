@@ -56,6 +56,7 @@ class Reference:
         # The routers' bias moves as the mesh's does, by the global load (the compute copy
         # routes: its buffers, not the masters', are the ones forward reads).
         routing.finish_step(self.compute, None, None, self.compute, inputs)
+        routing.balance(self.compute)
         if inspect_grads is not None:
             inspect_grads(self.model)
         norm = clip_grad_norm(self.model.parameters(), self.max_norm).item()

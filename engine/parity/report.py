@@ -72,11 +72,17 @@ def _stage(finding: dict) -> str:
     return f" on pipeline stage {finding['stage']}" if "stage" in finding else ""
 
 
+def _replica_group(report: dict) -> str:
+    group = report.get("replica_group")
+    return f"; fault-tolerant replica group {group}" if group else ""
+
+
 def format_report(report: dict) -> str:
     tol = report["tolerance"]
     grad = f"{tol['grad']:.0e} x largest gradient" if tol["grad_relative"] else f"{tol['grad']:.0e} abs"
     lines = [
-        f"parity: mesh {report['mesh']} ({report['world_size']} ranks, {report['device']}) against one "
+        f"parity: mesh {report['mesh']} ({report['world_size']} ranks, {report['device']}"
+        f"{_replica_group(report)}) against one "
         f"device ({report['reference']}) | {report['model']} ({report['layers']} blocks), plan {report['plan']} | "
         f"{report['dtype']} | {report['optimizer']} | {report['steps']} steps",
         f"tolerances ({tol['dtype']}, {tol['optimizer']}): step-0 loss {tol['loss']:.0e} abs, gradients {grad}, "
