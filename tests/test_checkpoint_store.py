@@ -43,6 +43,22 @@ def test_interrupted_save_never_replaces_latest(tmp_path):
     assert not store.partial_folder(root, 4).exists()
 
 
+def test_a_replica_groups_commit_leaves_another_groups_save_in_progress(tmp_path):
+    """Fault-tolerant replica groups take turns saving: group 1, leading while group 0 still
+    writes step 4, commits step 6 and clears only its own leftovers."""
+    root = store.checkpoints_dir(tmp_path)
+    fake_save(root, 2)
+    writing = store.partial_folder(root, 4, "group-0")
+    writing.mkdir()
+    store.partial_folder(root, 5, "group-1").mkdir()  # group 1's own, left by a crash
+    partial = store.partial_folder(root, 6, "group-1")
+    partial.mkdir()
+    (partial / store.DCP_METADATA).write_text("")
+    assert store.commit(partial, fake_meta(6), 2, "group-1") == root / store.step_name(6)
+    assert writing.is_dir() and not store.partial_folder(root, 5, "group-1").exists()
+    assert folders(store.find_resume(CheckpointConfig(), tmp_path)) == [store.step_name(6), store.step_name(2)]
+
+
 def test_resume_modes(tmp_path):
     assert store.find_resume(CheckpointConfig(resume="auto"), tmp_path).folders == []
     with pytest.raises(UserError, match="holds no complete checkpoint"):

@@ -90,6 +90,8 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.pending = None  # (future, partial folder, meta) of an async save in flight
         self.model = self.optimizer = self.scheduler = None  # given by resume()
+        # Replica groups take turns saving: each writes and cleans up its own partial folders
+        self.writer = f"group-{dims.replicas.group}" if dims.replicas is not None else ""
 
     def _state(self, step: int, rng_owner: int) -> dict:
         """What a checkpoint holds; loading fills the same structure in place."""
@@ -207,7 +209,7 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         self.wait()
-        partial = store.partial_folder(self.root, step)
+        partial = store.partial_folder(self.root, step, self.writer)
         if self.rank == 0 and partial.exists():
             shutil.rmtree(partial)  # left by a crash during an earlier attempt at this step
         dist.barrier(group=self.group)
@@ -237,7 +239,7 @@ class Checkpointer:
 
     def _commit(self, partial: Path, meta: dict) -> None:
         if self.rank == 0:
-            final = store.commit(partial, meta, self.cfg.checkpoint.keep)
+            final = store.commit(partial, meta, self.cfg.checkpoint.keep, self.writer)
             self.log.print(f"checkpoint step {meta['step']} -> {final}")
 
     def _failed(self, partial: Path, step: int, err: BaseException) -> NoReturn:

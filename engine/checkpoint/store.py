@@ -317,27 +317,31 @@ def _point_latest(root: Path, name: str) -> None:
     os.replace(pointer, root / LATEST)
 
 
-def partial_folder(root: Path, step: int) -> Path:
-    return root / (step_name(step) + PARTIAL)
+def partial_folder(root: Path, step: int, writer: str = "") -> Path:
+    """Where a save of `step` is written. `writer` names a fault-tolerant replica group
+    (group-N): groups take turns saving, and one group's commit must not delete a save
+    another group still writes."""
+    return root / (step_name(step) + (f".{writer}" if writer else "") + PARTIAL)
 
 
-def commit(partial: Path, meta: dict, keep: int) -> Path:
+def commit(partial: Path, meta: dict, keep: int, writer: str = "") -> Path:
     """Mark a fully written save complete, make it `latest`, drop old ones (rank 0 only)."""
     _write_durably(partial / META, json.dumps(meta, indent=1))
     _write_durably(partial / COMPLETE, "")
-    final = partial.with_name(partial.name[:-len(PARTIAL)])
+    final = partial.parent / step_name(meta["step"])
     if final.exists():  # the same step saved again after a restart: the new one replaces it
         shutil.rmtree(final)
     os.replace(partial, final)
     _point_latest(final.parent, final.name)
-    prune(final.parent, keep)
+    prune(final.parent, keep, writer)
     return final
 
 
-def prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int, writer: str = "") -> None:
     """Delete complete checkpoints beyond the newest `keep`, and partial folders that a
-    crash left (commit runs only when no save is being written)."""
-    for stale in root.glob("step-*" + PARTIAL):
+    crash left: all of them, or with `writer` that writer's own (its commit runs only when
+    it writes no other save; another replica group may be writing one)."""
+    for stale in root.glob("step-*" + (f".{writer}" if writer else "") + PARTIAL):
         shutil.rmtree(stale, ignore_errors=True)
     if keep:
         for old in _complete_folders(root)[:-keep]:
