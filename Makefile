@@ -57,7 +57,7 @@ test-slow: env
 # lane prints its slowest blocks, to move a document between lanes when one runs longer.
 # The second lane prints as it goes, the first when it is done. With ARGS (a -k of your
 # own, say) one pytest runs what they select, as lanes would both run it.
-DOCS_LANE := planning or parallelism
+DOCS_LANE := planning
 test-docs: env
 ifneq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)
