@@ -94,12 +94,6 @@ def check_lighthouse(ft) -> str:
     return f"{parsed.scheme or 'http'}://{parsed.hostname}:{port}"
 
 
-def group_folder(run_dir, group: int) -> Path:
-    """Where a replica group writes its own files (step log, data position); checkpoints,
-    common to all groups, stay in run.dir."""
-    return Path(run_dir) / f"group-{group}"
-
-
 class Replicas:
     """This group's torchft Manager and what the loop asks of it."""
 
@@ -119,7 +113,9 @@ class Replicas:
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), use_async_quorum=False,
             quorum_retries=ft.quorum_retries)
         self.process_group = ManagedProcessGroup(self.manager)
-        self.folder = group_folder(run_dir, ft.group)
+        # The group's own files (step log, data position); checkpoints, common to all groups,
+        # stay in run.dir
+        self.folder = Path(run_dir) / f"group-{ft.group}"
         self.position_file = self.folder / "data_position.json"
         self.positions = [0] * groups  # every group's committed global batches, as last known here
         self._sent = None  # the positions the step's groups sent with the loss (add_up)
