@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from common.errors import UserError
+from parallel import pipeline_internals
 from parallel.plan import Plan, Stages, expand
 
 SCHEDULES = {
@@ -136,6 +137,7 @@ def check_settings(plan: Plan, model: nn.Module, pp: int, options, micro_batches
     split, what the zero-bubble schedules cannot run with, the micro-batches the schedule
     needs. Returns the split (blocks per stage)."""
     schedule, per_rank = options.pp_schedule, options.pp_stages_per_rank
+    pipeline_internals.check_supported()
     if not runs_on_backend(schedule, backend):
         raise UserError(f"parallel.pp_schedule={schedule} cannot run over gloo (CPU) on torch {torch.__version__}: "
                         f"it starts by sending a message from one of its ranks to the same rank, which gloo "
@@ -423,11 +425,12 @@ class Pipeline:
         rows, seq_len = inputs.shape
         tokens, hidden, logits = self._shapes(rows // micro_batches, seq_len, inputs.device)
         built = []
+        stage_class = pipeline_internals.stage_class()  # receive buffers only while in use
         for part, index in zip(self.parts, self.stage_indices):
             stage_in = tokens if index == 0 else hidden
             stage_out = logits if index == self.n_stages - 1 else hidden
-            built.append(PipelineStage(part, index, self.n_stages, inputs.device, input_args=stage_in,
-                                       output_args=stage_out, group=self.group))
+            built.append(stage_class(part, index, self.n_stages, inputs.device, input_args=stage_in,
+                                     output_args=stage_out, group=self.group))
         schedule = SCHEDULES[self.schedule_name]
         if self.schedule_name in SINGLE_STAGE:
             return schedule(built[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
