@@ -425,16 +425,16 @@ class Pipeline:
         rows, seq_len = inputs.shape
         tokens, hidden, logits = self._shapes(rows // micro_batches, seq_len, inputs.device)
         built = []
-        stage_class = pipeline_internals.stage_class()  # receive buffers only while in use
+        stage_class = pipeline_internals.stage_class()  # messages' buffers only while in use
         for part, index in zip(self.parts, self.stage_indices):
             stage_in = tokens if index == 0 else hidden
             stage_out = logits if index == self.n_stages - 1 else hidden
             built.append(stage_class(part, index, self.n_stages, inputs.device, input_args=stage_in,
                                      output_args=stage_out, group=self.group))
         schedule = SCHEDULES[self.schedule_name]
-        if self.schedule_name in SINGLE_STAGE:
-            return schedule(built[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
-        return schedule(built, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
+        stages = built[0] if self.schedule_name in SINGLE_STAGE else built
+        return pipeline_internals.releasing_forward_sends(
+            schedule(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False))
 
     @torch.no_grad()
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int, loss) -> torch.Tensor:
