@@ -114,7 +114,7 @@ class Replicas:
             quorum_retries=ft.quorum_retries)
         self.process_group = ManagedProcessGroup(self.manager)
         # The group's own files (step log, data position); checkpoints, common to all groups,
-        # stay in run.dir
+        # stay in run.dir.
         self.folder = Path(run_dir) / f"group-{ft.group}"
         self.position_file = self.folder / "data_position.json"
         self.positions = [0] * groups  # every group's committed global batches, as last known here

@@ -157,7 +157,8 @@ def sends_worker(out: str, lazy: str) -> None:
                 schedule.step(torch.zeros(2 * micro_batches, 64))
             else:
                 schedule.step(target=torch.zeros(2 * micro_batches, 64), losses=[])
-            sent.clear(), done.clear()
+            sent.clear()
+            done.clear()
     if rank == 0:
         Path(out).write_text(json.dumps({"alive_after_backward": alive_after_backward,
                                          "torch_releases_sends": pipeline_internals.allocates_on_receive()}))
