@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
+from parallel.embedding import vocab_parallel_styles
 from parallel.expert import apply_expert_parallel, expert_paths as all_expert_paths
 from parallel.float8 import check_shapes, convert_to_float8, float8_linears
 from parallel.mesh import ParallelDims
@@ -59,7 +60,8 @@ SAVED_OPS = {
 
 
 def tensor_parallel_styles(model: nn.Module, plan: Plan, options: ParallelConfig) -> dict:
-    """Concrete module path -> style, after the SP overlay and the output's style."""
+    """Concrete module path -> style, after the SP overlay and the output's style; an
+    nn.Embedding split by rows computes its own rows' gradient (parallel/embedding.py)."""
     patterns = dict(plan.tensor_parallel)
     if options.sequence_parallel:
         patterns.update(plan.sequence_parallel)
@@ -70,7 +72,7 @@ def tensor_parallel_styles(model: nn.Module, plan: Plan, options: ParallelConfig
             input_layouts=Shard(1) if options.sequence_parallel else Replicate(),
             output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
             use_local_output=not options.loss_parallel)
-    return styles
+    return vocab_parallel_styles(model, styles)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, dims: ParallelDims,
