@@ -31,13 +31,13 @@ class VocabShardedEmbedding(nn.Embedding):
         table = self.weight
         mesh = table.device_mesh
         rows = table.to_local()
-        first = mesh.get_coordinate()[0] * rows.shape[0]
+        first = mesh.get_local_rank() * rows.shape[0]
+        end = first + rows.shape[0]
         ids = tokens.to_local() if isinstance(tokens, DTensor) else tokens
-        elsewhere = (ids < first) | (ids >= first + rows.shape[0])
+        elsewhere = (ids < first) | (ids >= end)
         local_ids = (ids - first).masked_fill(elsewhere, 0)
-        padding = self.padding_idx - first if self.padding_idx is not None else None
-        if padding is not None and not 0 <= padding < rows.shape[0]:
-            padding = None
+        mine = self.padding_idx is not None and first <= self.padding_idx < end
+        padding = self.padding_idx - first if mine else None
         # The lookup's backward needs only the ids and the table, so its output can be
         # zeroed in place.
         looked_up = F.embedding(local_ids, rows, padding).masked_fill_(elsewhere.unsqueeze(-1), 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import socket
@@ -37,6 +38,18 @@ def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300,
     command = [sys.executable, str(REPO / "tests" / "forked_torchrun.py"), str(nproc), str(script), *args]
     return subprocess.run(command, cwd=REPO, env=cpu_env(**(env or {})), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def call_in_own_process(function: str, *args) -> object:
+    """`function` ("tests.module:name") called with `args` (reprs of plain values) in a
+    Python process of its own, as a test that starts a process group (one of torch's fake
+    ones) without touching the suite's; returns what it returned, through JSON."""
+    module, name = function.split(":")
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r}); from {module} import {name}; "
+            f"print(json.dumps({name}({', '.join(map(repr, args))})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -22,7 +22,6 @@ else changes.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -82,11 +81,8 @@ def run_stage(rank: int, lazy: bool) -> dict:
 
 
 def _in_own_process(rank: int, lazy: bool) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r}); "
-            f"from tests.test_pipeline_internals import run_stage; print(json.dumps(run_stage({rank}, {lazy})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from tests.distributed import call_in_own_process
+    return call_in_own_process("tests.test_pipeline_internals:run_stage", rank, lazy)
 
 
 def test_the_internals_the_engine_uses_are_there():

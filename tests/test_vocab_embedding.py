@@ -14,14 +14,9 @@ whose embedding gradients match the one-process reference within 1e-5 (fp32).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.distributed import call_in_own_process
 VOCAB, DIM, TP, PADDING = 96, 16, 4, 50  # the padding row is in rank 2's rows
 
 
@@ -90,18 +85,14 @@ def run_ranks(vocab_parallel: bool) -> list[dict]:
     return results
 
 
-def _in_own_process() -> dict:
-    """run_ranks with the engine's style and with torch's, in a process of their own."""
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r}); from tests.test_vocab_embedding import run_ranks; "
-            f"print(json.dumps({{'engine': run_ranks(True), 'torch': run_ranks(False)}}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def run_both() -> dict:
+    """run_ranks with the engine's style and with torch's."""
+    return {"engine": run_ranks(True), "torch": run_ranks(False)}
 
 
 @pytest.mark.compat
 def test_each_rank_computes_its_rows_and_only_their_gradient():
-    runs = _in_own_process()
+    runs = call_in_own_process("tests.test_vocab_embedding:run_both")
     for rank, result in enumerate(runs["engine"]):
         assert result["class"] == "VocabShardedEmbedding", result
         assert result["output_diff"] <= 1e-6 and result["grad_diff"] <= 1e-6, (rank, result)
