@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
 from parallel.embedding import vocab_parallel_styles
+from parallel.recompute import free_until_backward, recomputable
 from parallel.expert import apply_expert_parallel, expert_paths as all_expert_paths
 from parallel.float8 import check_shapes, convert_to_float8, float8_linears
 from parallel.mesh import ParallelDims
@@ -160,27 +161,37 @@ def sublayer_policy(compiled: bool):
 
 
 @functools.cache
-def recomputed_class(base: type, compiled: bool) -> type:
+def recomputed_class(base: type, compiled: bool, output_recomputable: bool = False,
+                     frees_inputs: bool = False) -> type:
     """`base` with a __call__ that runs the module's whole call under a selective checkpoint
     (sublayer_policy): its hooks too, where tensor parallel's styles gather their inputs.
     One class per module class, so torch.compile sees the same class in every block and
-    compiles one graph for them all (a class per module recompiled every block)."""
+    compiles one graph for them all (a class per module recompiled every block).
+    `output_recomputable`: the output is registered to be freed by the sublayer that reads
+    it, which `frees_inputs` does (eager only)."""
     context_fn = functools.partial(create_selective_checkpoint_contexts, sublayer_policy(compiled))
 
     def __call__(self, *args, **kwargs):
-        return checkpoint(super(recomputed, self).__call__, *args, use_reentrant=False, context_fn=context_fn,
-                          **kwargs)
+        call = super(recomputed, self).__call__
+        output = checkpoint(call, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        if torch.is_grad_enabled():
+            if output_recomputable:
+                recomputable(output, functools.partial(call, *args, **kwargs))
+            if frees_inputs:
+                free_until_backward(args, output)
+        return output
 
     recomputed = type(f"Recomputed{base.__name__}", (base,), {"__call__": __call__})
     return recomputed
 
 
-def recompute_call(module: nn.Module, compiled: bool) -> None:
+def recompute_call(module: nn.Module, compiled: bool, output_recomputable: bool = False,
+                   frees_inputs: bool = False) -> None:
     """Recompute `module`'s cheap activations in backward. Its class becomes a subclass
     (recomputed_class), as fully_shard swaps a block's class, so parameter names, the state
     dict and the plan's paths stay as they were; early stop ends the recompute before the
     sublayer's last matmul."""
-    module.__class__ = recomputed_class(type(module), compiled)
+    module.__class__ = recomputed_class(type(module), compiled, output_recomputable, frees_inputs)
 
 
 def sublayer_patterns(plan: Plan) -> tuple[str, ...]:
@@ -237,9 +248,17 @@ def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: 
         graph_breaks = cp_cores if options.compile else []
         sublayers = [path for pattern in sublayer_patterns(plan) for path in expand(model, pattern, plan.name)
                      if not inside(path, chosen) and not any(inside(core, [path]) for core in graph_breaks)]
+        # Eager only: a compiled graph cannot free storage in place, and its partitioner
+        # recomputes norms on its own.
+        freeable = set() if options.compile else {
+            path for pattern in plan.recomputed_outputs for path in expand(model, pattern, plan.name)}
         for path in sublayers:
-            for region in outside_units(model, path, units):
-                recompute_call(model.get_submodule(region), options.compile)
+            regions = outside_units(model, path, units)
+            whole = regions == [path]  # a region that is part of a sublayer does not see all its input's readers
+            for region in regions:
+                recompute_call(model.get_submodule(region), options.compile,
+                               output_recomputable=whole and path in freeable,
+                               frees_inputs=whole and not options.compile)
     return chosen, sublayers
 
 

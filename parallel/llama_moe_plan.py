@@ -31,6 +31,7 @@ LLAMA_MOE = register_plan(Plan(
     output=LLAMA.output,
     shard_units=LLAMA.shard_units,
     sublayers=LLAMA.sublayers,
+    recomputed_outputs=LLAMA.recomputed_outputs,
     attention=LLAMA.attention,
     stages=LLAMA.stages,
     # The router's gate (dim x experts) decides where each token goes; float8 would move

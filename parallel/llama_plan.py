@@ -52,6 +52,9 @@ LLAMA = register_plan(Plan(
     # Recomputed in backward but for their matmuls and attention: a norm keeps only its
     # input, attention and the MLP the shard they are given, SwiGLU the outputs of w1 and w3.
     sublayers=("layers.*.attention_norm", "layers.*.attention", "layers.*.ffn_norm", "layers.*.feed_forward"),
+    # Each norm's output is read by its attention or MLP alone: computed again from the
+    # residual stream before that sublayer's backward.
+    recomputed_outputs=("layers.*.attention_norm", "layers.*.ffn_norm"),
     # Context parallelism attends across ranks in place of this module.
     attention="layers.*.attention.core",
     # Pipeline stages: the embedding first, the final norm and output last; every block

@@ -71,6 +71,11 @@ class Plan:
     # kept (parallel/apply.py, step 2). Empty: the modules the sequence-parallel overlay
     # gathers the sequence into.
     sublayers: tuple[str, ...] = ()
+    # Path globs of sublayers (a norm) whose output only the next sublayer reads, as its
+    # input. With recompute_cheap that output is freed once the next sublayer has run and
+    # computed again just before its backward, instead of kept all the while
+    # (parallel/recompute.py).
+    recomputed_outputs: tuple[str, ...] = ()
     # How the model splits into pipeline stages; None refuses pp > 1.
     stages: Stages | None = None
     # Path glob of the attention cores: modules called as core(q, k, v) on (batch, heads,

@@ -135,6 +135,40 @@ def test_a_backward_started_from_a_gradient_edge_is_counted_as_backward():
     assert seen == ["forward", "backward", "forward", "backward", "forward", "optimizer"]
 
 
+def received_input_outlives_its_backward() -> bool:
+    """Whether a leaf input that requires grad (a pipeline stage's received activations)
+    is still alive after its backward and its last reference, under the step's memory
+    tracker: one FSDP module, real tensors, a fake world of one rank."""
+    import gc
+    import weakref
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from engine.dryrun import torch_internals
+
+    torch_internals.start_fake_world(1, 0)
+    model = fully_shard(torch.nn.Linear(8, 8))
+    with torch_internals.memory_tracker([model], torch.optim.SGD(model.parameters(), lr=0.1)):
+        received = torch.randn(4, 8, requires_grad=True)
+        alive = weakref.ref(received)
+        model(received).sum().backward()
+        del received
+        gc.collect()
+        return alive() is not None
+
+
+@pytest.mark.compat
+def test_the_memory_tracker_lets_a_received_input_go_after_its_backward():
+    """torch's module tracker hooks each module's inputs for their gradients and keeps the
+    hooks, and a hook on a leaf holds the tensor (through its gradient accumulator), so
+    every micro-batch's received activations stayed to the step's end in an observed
+    pipeline step, where a run without the tracker frees them at their backward
+    (torch_internals._module_hooks_released_after_use)."""
+    from tests.distributed import call_in_own_process
+    assert call_in_own_process("tests.test_dryrun:received_input_outlives_its_backward") is False
+
+
 @pytest.mark.compat
 def test_70b_state_bytes_match_the_analytic_shard():
     """Rank 0 of 70B on hsdp=16,dp=8,tp=8 (1,024 ranks of the fake process group, fake

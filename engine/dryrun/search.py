@@ -626,7 +626,9 @@ def lighter_key(layout: Layout) -> tuple[str, bool, int] | None:
     shard of the residual, and op recomputes a whole block at once in backward, where
     recompute_cheap recomputes one sublayer (docs/parallelism.md, "Activations at their
     true size"; tests/test_activation_memory.py measures both). Without sequence
-    parallelism the residual is whole too, and op can need less."""
+    parallelism the residual is whole too; there op needed less per block at 70B until
+    recompute_cheap freed the norms' outputs (2026-11-29), and the rule was not widened
+    since (not measured at every depth)."""
     if layout.activation_checkpoint == "op" and layout.spec.tp > 1 and layout.sequence_parallel:
         return "none", True, layout.micro_batches
     return None
