@@ -26,7 +26,9 @@ schedule keep a handle instead, which the sending stage waits for and empties at
 micro-batch's backward: the next stage has sent that micro-batch's gradient by then, so
 it has received the activation and the wait returns at once. A gradient sent backward
 is still held to the step's end (no later message says when the previous stage took
-it). 2.15's schedules wait for their sends as they go.
+it; a gloo send's Work learns that it is done only by waiting, which could block), and
+the dry run counts it so (engine/dryrun/torch_internals.py:
+fake_messages_held_as_real_ones). 2.15's schedules wait for their sends as they go.
 
 What it touches on 2.11 to 2.14: PipelineStage's `_prepare_forward_infra`,
 `_create_grad_recv_info`, `get_fwd_recv_ops`, `get_bwd_recv_ops`, `get_fwd_send_ops`,

@@ -95,8 +95,9 @@ def observe_step(model, cfg, dims, device, fake: bool, trace: bool = False) -> O
     pipelined = hasattr(model, "pipeline")
     warmup = torch_internals.pipeline_warmup_without_messages() if pipelined else nullcontext()
     released = torch_internals.fake_stage_outputs_released() if pipelined and fake else nullcontext()
+    held = torch_internals.fake_messages_held_as_real_ones() if pipelined and fake else nullcontext()
     with record.isolated_collectives(fake, device), tracker, record.recording(dims, table, fake, log) as phase, \
-            warmup, released, (shapes_only() if fake else nullcontext()):
+            warmup, released, held, (shapes_only() if fake else nullcontext()):
         tracker.phase_of = lambda: phase.phase
         train_step(model, optimizer, scheduler, inputs, targets, cfg.optim.max_norm, dims.data.get_group(),
                    t.micro_batches, inspect_grads=lambda m: grads.update(bytes=record.grad_bytes(m)),

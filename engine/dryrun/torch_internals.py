@@ -8,7 +8,9 @@ counts only the step's own tensors; a pipeline schedule's first-step warm-up, wh
 an observed step leaves out (pipeline_warmup_without_messages); autograd's own word on
 whether a backward is running (in_autograd_backward); and, from torch 2.15, a pipeline
 stage's rule for releasing sent outputs, which the dry run applies to fake tensors as a
-real run does to real ones (fake_stage_outputs_released); and the module tracker's
+real run does to real ones (fake_stage_outputs_released), and a schedule's message
+posting, whose Works must keep what they send as a real group's do
+(fake_messages_held_as_real_ones); and the module tracker's
 gradient hooks, which must not keep a stage's received inputs alive
 (_module_hooks_released_after_use). A real run measured against
 it (gloo, on the CPU) also needs c10d's Work. A traced step (--trace) reads a DTensor's
@@ -33,6 +35,7 @@ NEEDED = (
     ("torch._C._distributed_c10d", "ProcessGroup"),
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
+    ("torch.distributed.pipelining.schedules", "_batch_p2p"),  # fake_messages_held_as_real_ones
 )
 NEEDED_ATTRIBUTES = (("torch._C._distributed_c10d", "ProcessGroup", "unbox"),
                      ("torch._C", "_clear_DTensor_sharding_propagator_cache", "__call__"),
@@ -343,6 +346,48 @@ def fake_stage_outputs_released():
         return judge(self, plain if type(output) is fake_class else output)
 
     return mock.patch.object(stage_class, method, as_in_a_real_run)
+
+
+def fake_messages_held_as_real_ones():
+    """A context in which each of a pipeline schedule's messages keeps its tensor for as
+    long as its Work lives, as a real process group's Work does (seen on gloo), and the
+    fake group's, which hold nothing, did not. Before torch 2.15 the looped schedules
+    keep every send's Work until the step ends: the gradients a stage sends backward
+    stayed in a real run and were missing from the prediction (the Interleaved1F1B row
+    of bench/dryrun_validation.py: 21.58 MiB predicted, 21.96 measured).
+    parallel/pipeline_internals.py lets go of the forward sends' Works at their
+    micro-batch's backward in both runs alike; 2.15's schedules drop each Work once
+    waited. Through the schedules module's `_batch_p2p`, by which every schedule posts."""
+    from contextlib import contextmanager
+    schedules = importlib.import_module(_SCHEDULES)
+
+    class HeldWork:
+        def __init__(self, work, tensors):
+            self.work, self.tensors = work, tensors
+
+        def wait(self, *args, **kwargs):
+            return self.work.wait(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
+    @contextmanager
+    def held():
+        post = schedules._batch_p2p
+
+        def post_holding(p2p_ops, *args, **kwargs):
+            works = post(p2p_ops, *args, **kwargs)
+            if len(works) == len(p2p_ops):  # one Work per message, each keeping its own tensor
+                return [HeldWork(work, [op.tensor]) for work, op in zip(works, p2p_ops)]
+            return [HeldWork(work, [op.tensor for op in p2p_ops]) for work in works]
+
+        schedules._batch_p2p = post_holding
+        try:
+            yield
+        finally:
+            schedules._batch_p2p = post
+
+    return held()
 
 
 def unbox_work(boxed):
