@@ -217,10 +217,7 @@ def test_70b_state_bytes_match_the_analytic_shard():
     import torch.distributed as dist
 
     from engine.dryrun import torch_internals
-    from engine.dryrun.observe import create_optimizer_state
-    from engine.dryrun.record import optimizer_bytes, param_bytes
-    from engine.dryrun.simulate import _rank_model
-    from engine.train import build_optimizer
+    from engine.dryrun.simulate import _rank_model, held_state
     from launch.run import DEFAULT_CONFIG
     from common.config import load_config
 
@@ -231,9 +228,7 @@ def test_70b_state_bytes_match_the_analytic_shard():
         full = sum(p.numel() for p in model.parameters()) * 4
         with torch_internals.fake_tensor_mode():
             model.to_empty(device="cpu")
-            optimizer, _ = build_optimizer(model, cfg.optim, cfg.training.steps)
-            create_optimizer_state(model, optimizer)
-            params, optim = param_bytes(model), optimizer_bytes(optimizer)
+            params, optim = held_state(model, cfg)
     finally:
         dist.destroy_process_group()
     assert full == 70_553_706_496 * 4
@@ -529,6 +524,44 @@ def test_the_torch_internals_the_dry_run_uses_are_checked_up_front(monkeypatch, 
     monkeypatch.setattr(torch_internals, table, (*getattr(torch_internals, table), ("torch", "no_such_name")))
     with pytest.raises(UserError, match="needs torch.no_such_name"):
         torch_internals.check_supported(measuring)
+
+
+STATE_BOUND_LAYOUTS = [  # (mesh, config overrides) on 8 fake ranks, each at its model's full depth
+    ("dp=8", []),
+    ("dp=2,tp=4", ["parallel.sequence_parallel=true", "parallel.loss_parallel=true"]),
+    ("hsdp=2,dp=2,ep=2,tp=2", ["model.name=llama_moe", "model.flavor=debug-moe-deep-dense",
+                               "parallel.plan=llama_moe", "parallel.sequence_parallel=true"]),
+]
+
+
+def state_bound_against_the_step() -> list[list[int]]:
+    """For each of STATE_BOUND_LAYOUTS: search.state_bytes (built, not stepped, at one and
+    two blocks after the leading ones), and the step that observe simulates at two other
+    depths, extrapolated: its parameter and optimizer bytes, and its peak."""
+    from common.config import load_config
+    from engine.dryrun.search import Layout, layout_config, observe, state_bytes
+    from launch.run import DEFAULT_CONFIG, plan_depth
+    from parallel.mesh import parse_mesh
+
+    found = []
+    for mesh, overrides in STATE_BOUND_LAYOUTS:
+        cfg = load_config(DEFAULT_CONFIG, [*overrides, "training.global_batch=8", "training.seq_len=64"])
+        layout, depth = Layout(parse_mesh(mesh).resolve(8), "true", "none", 1), plan_depth(cfg)
+        step = observe(layout_config(cfg, layout), layout, 8, depth)
+        found.append([state_bytes(cfg, layout, 8, depth), step.param_bytes + step.optimizer_bytes, step.peak_bytes])
+    return found
+
+
+def test_the_search_bounds_a_mesh_by_its_state_before_simulating_a_step():
+    """The state bound that lets --plan-for drop a mesh unsimulated (search_job) is the
+    parameter and optimizer bytes its step holds, to the byte, for plain FSDP, tp with
+    sequence parallelism, and experts with ep and dense leading blocks under HSDP; and
+    it is below each step's peak (fake process group, in a process of its own)."""
+    from tests.distributed import call_in_own_process
+    for (mesh, _), (bound, state, peak) in zip(STATE_BOUND_LAYOUTS,
+                                               call_in_own_process("tests.test_dryrun:state_bound_against_the_step")):
+        assert bound == state, (mesh, bound, state)
+        assert state < peak, (mesh, state, peak)
 
 
 def test_the_search_leaves_out_only_layouts_that_need_more_memory_than_one_that_did_not_fit():

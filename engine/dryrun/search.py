@@ -33,6 +33,8 @@ What is searched, and why not more:
   then micro-batches 1, 2, 4, 8: for each mesh and reshard setting the search stops at
   the first that fits, since the later ones recompute or re-gather more and are never
   faster in the step model.
+  Without pp, a mesh whose parameters and optimizer state alone do not fit ends there,
+  one outcome, before any step is simulated (state_bytes).
   A layout that did not fit ends the same AC mode and micro-batch count with the later
   reshard settings, which keep more gathered; and once a count has two layouts that did
   not fit, it is tried with full AC, which needs least memory at that count, before its
@@ -375,6 +377,21 @@ def observe(cfg, layout: Layout, world: int, depth: int) -> Observation:
         return observe_rank_zero(cfg, layout.spec, world, depth)
     one, two = (observe_rank_zero(cfg, layout.spec, world, n) for n in (first, first + period))
     return extrapolate(one, two, first, period, depth)
+
+
+def state_bytes(cfg, layout: Layout, world: int, depth: int) -> int:
+    """Without pp: rank 0's parameters and optimizer state at `depth` blocks, from the
+    model with one and two blocks after its leading ones (each block adds the same bytes).
+    A step holds them throughout, so where they alone do not fit, no AC mode, micro-batch
+    count or reshard setting of the mesh fits (search_job simulates none of them)."""
+    from engine.dryrun.simulate import rank_zero_state_bytes
+    from models import leading_blocks, model_args
+    layout_cfg = layout_config(cfg, layout)
+    first = 1 + leading_blocks(model_args(cfg.model.name, cfg.model.flavor))
+    if depth <= first + 1:
+        return rank_zero_state_bytes(layout_cfg, layout.spec, world, depth)
+    one, two = (rank_zero_state_bytes(layout_cfg, layout.spec, world, n) for n in (first, first + 1))
+    return one + (depth - first) * (two - one)
 
 
 def runnable(cfg, layout: Layout, depth: int) -> bool:
@@ -721,6 +738,15 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
     settings = reshard_options(spec, dry.gpus_per_node, cfg.parallel.float8_all_gather, experts_counts(cfg))
+    if spec.pp == 1:
+        (ladder,) = ladders(spec, settings[0], sequence_parallel, rows)
+        least = next((layout for layout in ladder if layout.activation_checkpoint == "full"
+                      and runnable(cfg, layout, depth)), None)
+        state = state_bytes(cfg, least, world, depth) if least else 0
+        if state > usable:
+            return index, [Outcome(least, state, None,
+                                   f"parameters and optimizer state alone {state / GIB:.1f} GiB > {usable / GIB:.1f} "
+                                   f"GiB usable: no layout of this mesh fits")]
     for position, reshard in enumerate(settings):
         (ladder,) = ladders(spec, reshard, sequence_parallel, rows, [(schedule, per_rank)])
         found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond,

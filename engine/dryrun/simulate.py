@@ -35,6 +35,7 @@ from common.errors import UserError
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step, float8_speedup
 from engine.dryrun.observe import Observation, create_optimizer_state, observe_step
 from engine.dryrun.record import optimizer_bytes, param_bytes
+from engine.train import build_optimizer
 
 
 @dataclass
@@ -235,11 +236,26 @@ def observe_rank_zero(cfg, spec, world_size: int, n_layers: int = 0, rank: int =
         return observe_step(model, cfg, dims, torch.device("cpu"), fake=True)
 
 
+def rank_zero_state_bytes(cfg, spec, world_size: int, n_layers: int = 0) -> int:
+    """Rank 0's parameters and optimizer state, without a step: what it holds throughout
+    any step, whatever its AC mode, micro-batches or reshard setting (--plan-for's bound)."""
+    model, _ = _rank_model(cfg, spec, world_size, 0, n_layers)
+    with torch_internals.fake_tensor_mode():
+        to_fake(model)
+        return sum(held_state(model, cfg))
+
+
+def held_state(model, cfg) -> tuple[int, int]:
+    """A fake model's parameter bytes and optimizer-state bytes, in the steady state."""
+    optimizer, _ = build_optimizer(model, cfg.optim, cfg.training.steps)
+    create_optimizer_state(model, optimizer)
+    return param_bytes(model), optimizer_bytes(optimizer)
+
+
 def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False) -> DryRunResult:
     """One step of `spec` on `world_size` ranks; `n_layers` > 0 builds that many blocks;
     `trace`: each simulated step keeps its order (Observation.step_log)."""
     from engine.metrics.throughput import flops_per_token
-    from engine.train import build_optimizer
     from models import build_on_meta
 
     torch_internals.check_supported()
@@ -265,9 +281,7 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False)
                     params, optim = observed.param_bytes, observed.optimizer_bytes
                     stage_roles.append(stage_role(model, pp_rank, observed, fpt, cfg, spec, profile))
                 else:
-                    optimizer, _ = build_optimizer(model, cfg.optim, cfg.training.steps)
-                    create_optimizer_state(model, optimizer)
-                    params, optim = param_bytes(model), optimizer_bytes(optimizer)
+                    params, optim = held_state(model, cfg)
             key = (pp_rank, params, optim)
             same = [other * per_stage + rank - pp_rank * per_stage for other in alike]  # in the alike pp ranks
             if key in roles:
