@@ -558,8 +558,9 @@ def test_the_search_bounds_a_mesh_by_its_state_before_simulating_a_step():
     sequence parallelism, and experts with ep and dense leading blocks under HSDP; and
     it is below each step's peak (fake process group, in a process of its own)."""
     from tests.distributed import call_in_own_process
-    for (mesh, _), (bound, state, peak) in zip(STATE_BOUND_LAYOUTS,
-                                               call_in_own_process("tests.test_dryrun:state_bound_against_the_step")):
+    found = call_in_own_process("tests.test_dryrun:state_bound_against_the_step")
+    assert len(found) == len(STATE_BOUND_LAYOUTS), found
+    for (mesh, _), (bound, state, peak) in zip(STATE_BOUND_LAYOUTS, found):
         assert bound == state, (mesh, bound, state)
         assert state < peak, (mesh, state, peak)
 
