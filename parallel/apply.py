@@ -221,6 +221,15 @@ def outside_units(model: nn.Module, path: str, units: list[str]) -> list[str]:
             for region in outside_units(model, f"{path}.{name}", units)]
 
 
+def checkpointed_blocks(block_paths: list[str], options: ParallelConfig) -> list[str]:
+    """Of one model part's blocks (a stage's, under pp), those activation checkpointing
+    wraps: all of them with `full` or `op`, every `checkpoint_every`-th with `selective`,
+    counted from the part's first block."""
+    mode = options.activation_checkpoint
+    return [path for index, path in enumerate(block_paths)
+            if mode in ("full", "op") or (mode == "selective" and index % options.checkpoint_every == 0)]
+
+
 def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: Plan, options: ParallelConfig,
                                 pp: int, cp_cores: list[str], units: list[str] = ()) -> tuple[list[str], list[str]]:
     """Checkpoint the blocks the mode picks; in the others, recompute each sublayer's cheap
@@ -236,8 +245,7 @@ def apply_activation_checkpoint(block_paths: list[str], model: nn.Module, plan: 
     ep). A selective checkpoint (a policy) then covers the rest of each block or sublayer
     (outside_units), and the units keep their activations."""
     mode = options.activation_checkpoint
-    chosen = [path for index, path in enumerate(block_paths)
-              if mode in ("full", "op") or (mode == "selective" and index % options.checkpoint_every == 0)]
+    chosen = checkpointed_blocks(block_paths, options)
     policy = checkpoint_policy(op_level=mode == "op", compiled=options.compile)
     for path in chosen:
         for region in outside_units(model, path, units) if policy else [path]:

@@ -565,6 +565,77 @@ def test_the_search_bounds_a_mesh_by_its_state_before_simulating_a_step():
         assert state < peak, (mesh, state, peak)
 
 
+def test_plan_for_ends_a_mesh_whose_state_alone_does_not_fit(tmp_path):
+    """--plan-for on 4 ranks, 2 to a node, with 19 MB usable: hsdp=2,dp=2, which keeps the
+    debug model's parameters and Adam state sharded over 2 ranks only (19.7 MB of them),
+    ends on its state, one outcome and no step simulated; dp=2,tp=2 (9.9 MB of state) is
+    simulated and fits (search_job's bound, end to end)."""
+    report, usable = tmp_path / "plan.json", 19e6
+    result = launcher("--plan-for", "--world", "4", "--set", "dryrun.pp=1", "--set", "dryrun.gpus_per_node=2",
+                      "--set", f"dryrun.gpu_memory_gib={usable / 0.9 / 2 ** 30}", "--set", "training.global_batch=4",
+                      "--set", "training.seq_len=16", "--set", f"dryrun.report={report}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_mesh = {}
+    for layout in json.loads(report.read_text())["layouts"]:
+        by_mesh.setdefault(layout["mesh"], []).append(layout)
+    ended = {mesh: rows for mesh, rows in by_mesh.items() if "state alone" in (rows[0]["reason"] or "")}
+    assert list(ended) == ["hsdp=2,dp=2"], by_mesh
+    (row,) = ended["hsdp=2,dp=2"]
+    assert not row["fits"] and row["peak_bytes"] > usable, row
+    assert any(layout["fits"] and layout["simulated"] for layout in by_mesh["dp=2,tp=2"]), by_mesh
+
+
+RECOMPUTE_MESHES = ["dp=4", "pp=2,dp=2"]  # the debug model's 4 blocks: one part of 4, or 2 stages of 2
+
+
+def recompute_costs() -> dict:
+    """For each of RECOMPUTE_MESHES and AC mode: the dry run's (simulate's) compute seconds
+    and FLOPs per token of each stage role, and with selective AC the compute seconds of
+    the search's estimate of the same layout (its slowest role's)."""
+    from common.config import load_config
+    from engine.dryrun.estimate import device_profile
+    from engine.dryrun.search import Layout, evaluate_layout
+    from engine.dryrun.simulate import simulate
+    from launch.run import DEFAULT_CONFIG
+
+    found = {}
+    for mesh in RECOMPUTE_MESHES:
+        spec = parse_mesh(mesh).resolve(4)
+        for mode in ("none", "selective", "full", "op"):
+            cfg = load_config(DEFAULT_CONFIG, [f"parallel.mesh={mesh}", f"parallel.activation_checkpoint={mode}",
+                                               "training.micro_batches=2"])
+            result = simulate(cfg, spec, 4)
+            roles = result.stage_roles or [None]
+            found[f"{mesh} {mode}"] = [[role.estimate.compute_s, role.flops_per_token] if role else
+                                       [result.estimate.compute_s, result.flops_per_token] for role in roles]
+            if mode == "selective":
+                layout = Layout(spec, "true", mode, 2, schedule=cfg.parallel.pp_schedule)
+                outcome = evaluate_layout(cfg, layout, 4, 4, result.flops_per_token, device_profile(cfg.dryrun),
+                                          usable=2 ** 40)
+                found[f"{mesh} search"] = outcome.estimate.compute_s
+    return found
+
+
+def test_full_and_selective_ac_cost_the_forward_of_the_blocks_they_checkpoint():
+    """The step model adds a third of a block's training FLOPs for each block whose forward
+    activation checkpointing runs again: all of a rank's blocks with `full`, every
+    checkpoint_every-th (2) of each stage with `selective`, none with `op` (counted free);
+    the dry run and the search agree (fake process group, in a process of its own)."""
+    from models import build_on_meta
+    from tests.distributed import call_in_own_process
+    found = call_in_own_process("tests.test_dryrun:recompute_costs")
+    block = build_on_meta("llama", "debug").layers["0"]
+    block_flops = 6 * sum(p.numel() for p in block.parameters()) + 12 * block.attention.wq.in_features * 64
+    for mesh in RECOMPUTE_MESHES:
+        blocks = 4 // parse_mesh(mesh).pp  # on each stage role
+        for mode, checkpointed in (("op", 0), ("selective", blocks // 2), ("full", blocks)):
+            for (plain, flops), (compute, _) in zip(found[f"{mesh} none"], found[f"{mesh} {mode}"]):
+                assert compute / plain == pytest.approx(1 + checkpointed * block_flops / (3 * flops), rel=1e-12), (
+                    mesh, mode)
+        slowest = max(compute for compute, _ in found[f"{mesh} selective"])
+        assert found[f"{mesh} search"] == pytest.approx(slowest, rel=1e-12), mesh
+
+
 def test_the_search_leaves_out_only_layouts_that_need_more_memory_than_one_that_did_not_fit():
     """first_fit with reshard settings least memory first (no process group: a made-up
     peak that grows as reshard keeps more gathered and AC saves more): every ladder's first
@@ -628,7 +699,7 @@ def test_a_pipeline_layout_stops_at_its_first_stage_role_that_does_not_fit(monke
     def roles(cfg, layout, world, depth, seen=None):
         for peak in (5, 50, 7):
             simulated.append(peak)
-            yield Observation(0, 0, 0, peak, {}), 1.0, 0.0, 0.0
+            yield Observation(0, 0, 0, peak, {}), 1.0, 0.0, 0.0, 0.0
 
     monkeypatch.setattr(search, "observe_stage_roles", roles)
     monkeypatch.setattr(search, "layout_config", lambda cfg, layout: cfg)

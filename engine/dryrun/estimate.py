@@ -3,8 +3,11 @@
 This part is analytic: the simulated step gives exact FLOP-bearing shapes and exact
 collective bytes, and this turns them into seconds under stated assumptions:
 
-- compute: the model's FLOPs per token (engine.metrics.throughput), times 4/3 for the
-  forward that full or per-block activation checkpointing repeats (op-level AC keeps
+- compute: the model's FLOPs per token (engine.metrics.throughput), plus the forward
+  (a third of a block's training FLOPs) of each block that full or selective activation
+  checkpointing runs again in backward: with `full` every block on the rank, with
+  `selective` every checkpoint_every-th of each stage (recomputed_flops_per_token; the
+  embedding and the output are outside any block and not repeated; op-level AC keeps
   the matmuls' results and recomputes elementwise ops, counted as free), over this rank's
   share of tokens (its data rank's tokens, split over cp and tp: the sequence split
   gives every cp rank the same attention work), at `compute_efficiency` of the peak;
@@ -225,16 +228,18 @@ def message_seconds(nbytes: float, bandwidth: float) -> float:
 
 def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profile,
                   stage_flops: float | None = None, float8_flops: float = 0.0,
-                  expert_flops: float = 0.0) -> StepEstimate:
+                  expert_flops: float = 0.0, recomputed_flops: float = 0.0) -> StepEstimate:
     """`stage_flops`: under pipeline parallel, the FLOPs per token of the stages this rank holds;
     `float8_flops`: how many of this rank's FLOPs per token run in float8 (float8_flops_per_token);
     `expert_flops`: how many are routed experts' (expert_flops_per_token), which the busiest
-    ep rank computes dryrun.expert_load times over."""
+    ep rank computes dryrun.expert_load times over; `recomputed_flops`: how many are in the
+    blocks whose forward activation checkpointing runs again (recomputed_flops_per_token)."""
     t = cfg.training
     global_tokens = t.global_batch * t.seq_len
-    recompute = 4 / 3 if cfg.parallel.activation_checkpoint in ("full", "selective") else 1.0
+    own_flops = stage_flops or flops_per_token
+    recompute = 1.0 + recomputed_flops / (3 * own_flops) if own_flops else 1.0
     imbalance = (cfg.dryrun.expert_load - 1) * expert_flops if spec.ep > 1 else 0.0
-    bf16_equivalent = ((stage_flops or flops_per_token) - float8_flops + imbalance
+    bf16_equivalent = (own_flops - float8_flops + imbalance
                        + float8_flops / float8_speedup(profile.name, cfg.parallel.float8))
     rank_flops = global_tokens / (spec.hsdp * spec.dp * spec.cp) * bf16_equivalent / spec.tp
     compute = rank_flops * recompute / (profile.peak_flops * profile.compute_efficiency)
@@ -264,6 +269,24 @@ def estimate_step(comm: dict, flops_per_token: float, cfg, spec, profile: Profil
                         tokens_per_s=global_tokens / step,
                         mfu=global_tokens * flops_per_token / step / (spec.world_size * profile.peak_flops),
                         bubble_s=bubble, bubble_fraction=fraction, exposed_p2p_s=exposed_p2p, overlapped_s=hidden)
+
+
+def recomputed_flops_per_token(whole, parts: list[list[str]], n_blocks: int, options, seq_len: int) -> float:
+    """The training FLOPs per token of the blocks whose forward full or selective activation
+    checkpointing runs again in backward: those parallel.apply.checkpointed_blocks picks in
+    each of `parts` (the block paths of each stage a rank holds; all blocks without pp) of
+    the whole model `whole` (of `n_blocks` blocks), 6 per weight they multiply by and their
+    share of the attention term. 0 with `op` (its recomputed elementwise ops count as free)
+    and without AC."""
+    if options.activation_checkpoint not in ("full", "selective"):
+        return 0.0
+    from engine.metrics.throughput import flops_per_token, matmul_weights
+    from parallel.apply import checkpointed_blocks
+    chosen = [path for part in parts for path in checkpointed_blocks(part, options)]
+    if not chosen:
+        return 0.0
+    attention = flops_per_token(whole, seq_len) - 6 * matmul_weights(whole)
+    return 6 * sum(matmul_weights(whole.get_submodule(path)) for path in chosen) + attention * len(chosen) / n_blocks
 
 
 def stage_flops_per_token(whole, stages, split: list[list[str]], held: list[int], seq_len: int) -> float:

@@ -164,7 +164,8 @@ def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, pro
     other roles need is not known yet (first_fit's probe)."""
     layout_cfg = layout_config(cfg, layout)
     spec = layout.spec
-    roles = [(observe(layout_cfg, layout, world, depth), None, *whole_flops_shares(cfg, depth))] if spec.pp == 1 else []
+    roles = ([(observe(layout_cfg, layout, world, depth), None, *whole_flops_shares(layout_cfg, depth))]
+             if spec.pp == 1 else [])
     for role in observe_stage_roles(layout_cfg, layout, world, depth, seen) if spec.pp > 1 else ():
         roles.append(role)
         if role[0].peak_bytes > usable:
@@ -175,8 +176,8 @@ def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, pro
     if peak > usable:
         return Outcome(layout, peak, None, f"peak {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable")
     estimates = [estimate_step(observed.comm, fpt, layout_cfg, spec, profile, stage_flops=stage_fpt,
-                               float8_flops=float8, expert_flops=experts)
-                 for observed, stage_fpt, float8, experts in roles]
+                               float8_flops=float8, expert_flops=experts, recomputed_flops=recomputed)
+                 for observed, stage_fpt, float8, experts, recomputed in roles]
     return Outcome(layout, peak, max(estimates, key=lambda e: e.step_s))
 
 
@@ -407,30 +408,38 @@ def runnable(cfg, layout: Layout, depth: int) -> bool:
             and not micro_batches_needed(layout.schedule, spec.pp, layout.stages_per_rank, layout.micro_batches))
 
 
-def whole_flops_shares(cfg, depth: int) -> tuple[float, float]:
+def whole_flops_shares(cfg, depth: int) -> tuple[float, float, float]:
     """Of the whole model at `depth` blocks, the FLOPs per token that parallel.float8 runs
-    in float8, and those of the routed experts (estimate.estimate_step)."""
+    in float8, those of the routed experts, and those whose forward cfg's activation
+    checkpointing runs again (estimate.estimate_step)."""
     from parallel.plan import plan_of
-    return _whole_flops_shares(cfg.model.name, cfg.model.flavor, plan_of(cfg).name, cfg.parallel.float8, depth)
+    p = cfg.parallel
+    return _whole_flops_shares(cfg.model.name, cfg.model.flavor, plan_of(cfg).name, p.float8, depth,
+                               p.activation_checkpoint, p.checkpoint_every, cfg.training.seq_len)
 
 
-@functools.lru_cache(maxsize=None)  # one model on meta per search process, not one per layout
-def _whole_flops_shares(name: str, flavor: str, plan_name: str, recipe: str, depth: int) -> tuple[float, float]:
-    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token
+@functools.lru_cache(maxsize=None)  # one model on meta per search process and AC mode, not one per layout
+def _whole_flops_shares(name: str, flavor: str, plan_name: str, recipe: str, depth: int,
+                        activation_checkpoint: str, checkpoint_every: int, seq_len: int) -> tuple[float, float, float]:
+    from common.config import ParallelConfig
+    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token, recomputed_flops_per_token
     from models import build_on_meta
     from parallel.plan import expand, get_plan
     whole, plan = build_on_meta(name, flavor, depth), get_plan(plan_name)
     blocks = expand(whole, plan.blocks, plan.name)
-    return float8_flops_per_token(whole, blocks, recipe), expert_flops_per_token(whole, blocks)
+    checkpointing = ParallelConfig(activation_checkpoint=activation_checkpoint, checkpoint_every=checkpoint_every)
+    return (float8_flops_per_token(whole, blocks, recipe), expert_flops_per_token(whole, blocks),
+            recomputed_flops_per_token(whole, [blocks], len(blocks), checkpointing, seq_len))
 
 
 def observe_stage_roles(cfg, layout: Layout, world: int, depth: int,
-                        seen: dict | None = None) -> Iterator[tuple[Observation, float, float, float]]:
+                        seen: dict | None = None) -> Iterator[tuple[Observation, float, float, float, float]]:
     """Under pipeline parallel: (the observation, the FLOPs per token, those in float8, those
-    of routed experts) of each distinct stage role (simulate.pipeline_ranks) at `depth`
-    blocks (observe_blocks), one by one; those in `seen` (pp rank -> role) without
+    of routed experts, those whose forward AC runs again) of each distinct stage role
+    (simulate.pipeline_ranks) at `depth` blocks (observe_blocks), one by one; those in `seen` (pp rank -> role) without
     simulating them again, and the others added to it."""
-    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token, stage_flops_per_token
+    from engine.dryrun.estimate import (expert_flops_per_token, float8_flops_per_token, recomputed_flops_per_token,
+                                        stage_flops_per_token)
     from engine.dryrun.simulate import leading_per_stage, pipeline_ranks
     from models import build_on_meta, leading_blocks
     from parallel.pipeline import blocks_per_stage, empty_ends, stages_of_rank, stage_blocks
@@ -450,7 +459,9 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int,
             held_paths = [path for stage in held for path in paths[stage]]
             seen[pp_rank] = (observed, stage_flops_per_token(whole, plan.stages, paths, held, cfg.training.seq_len),
                              float8_flops_per_token(whole, held_paths, cfg.parallel.float8),
-                             expert_flops_per_token(whole, held_paths))
+                             expert_flops_per_token(whole, held_paths),
+                             recomputed_flops_per_token(whole, [paths[stage] for stage in held], depth, cfg.parallel,
+                                                        cfg.training.seq_len))
         yield seen[pp_rank]
 
 

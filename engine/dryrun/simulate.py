@@ -302,23 +302,28 @@ def simulate(cfg, spec, world_size: int, n_layers: int = 0, trace: bool = False)
 def stage_role(model, pp_rank: int, observed: Observation, whole_fpt: float, cfg, spec, profile) -> StageRole:
     """A simulated rank's step time: without pp the whole model's FLOPs; with pp those of
     the stages the rank holds, plus the schedule's bubble and its point-to-point traffic."""
-    from engine.dryrun.estimate import expert_flops_per_token, float8_flops_per_token, stage_flops_per_token
+    from engine.dryrun.estimate import (expert_flops_per_token, float8_flops_per_token, recomputed_flops_per_token,
+                                        stage_flops_per_token)
     from parallel.pipeline import whole_model
     from parallel.plan import expand, plan_of
 
     pipeline = getattr(model, "pipeline", None)
+    seq_len = cfg.training.seq_len
     if pipeline is None:
         plan = plan_of(cfg)
         blocks = expand(model, plan.blocks, plan.name)
         return StageRole(0, [0], 0, observed, whole_fpt,
                          estimate_step(observed.comm, whole_fpt, cfg, spec, profile,
                                        float8_flops=float8_flops_per_token(model, blocks, cfg.parallel.float8),
-                                       expert_flops=expert_flops_per_token(model, blocks)))
+                                       expert_flops=expert_flops_per_token(model, blocks),
+                                       recomputed_flops=recomputed_flops_per_token(model, [blocks], len(blocks),
+                                                                                   cfg.parallel, seq_len)))
     whole = whole_model(model)
-    fpt = stage_flops_per_token(whole, pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices,
-                                cfg.training.seq_len)
-    held = [path for stage in pipeline.stage_indices for path in pipeline.stage_blocks[stage]]
+    fpt = stage_flops_per_token(whole, pipeline.stages, pipeline.stage_blocks, pipeline.stage_indices, seq_len)
+    parts = [pipeline.stage_blocks[stage] for stage in pipeline.stage_indices]
+    held = [path for part in parts for path in part]
+    recomputed = recomputed_flops_per_token(whole, parts, sum(map(len, pipeline.stage_blocks)), cfg.parallel, seq_len)
     return StageRole(pp_rank, list(pipeline.stage_indices), len(held), observed, fpt,
                      estimate_step(observed.comm, whole_fpt, cfg, spec, profile, stage_flops=fpt,
                                    float8_flops=float8_flops_per_token(whole, held, cfg.parallel.float8),
-                                   expert_flops=expert_flops_per_token(whole, held)))
+                                   expert_flops=expert_flops_per_token(whole, held), recomputed_flops=recomputed))
