@@ -280,25 +280,28 @@ def recomputed_flops_per_token(whole, parts: list[list[str]], n_blocks: int, opt
     and without AC."""
     if options.activation_checkpoint not in ("full", "selective"):
         return 0.0
-    from engine.metrics.throughput import flops_per_token, matmul_weights
     from parallel.apply import checkpointed_blocks
     chosen = [path for part in parts for path in checkpointed_blocks(part, options)]
-    if not chosen:
-        return 0.0
+    return blocks_flops_per_token(whole, chosen, n_blocks, seq_len) if chosen else 0.0
+
+
+def blocks_flops_per_token(whole, block_paths: list[str], n_blocks: int, seq_len: int,
+                           other_paths: list[str] = ()) -> float:
+    """The training FLOPs per token of the blocks at `block_paths` (and of the modules at
+    `other_paths`, outside any block) of the whole model `whole` of `n_blocks` blocks: 6 per
+    weight they multiply by, and the blocks' share of what the whole model's count adds
+    beyond 6 per weight (the attention term)."""
+    from engine.metrics.throughput import flops_per_token, matmul_weights
+    weights = sum(matmul_weights(whole.get_submodule(path)) for path in [*block_paths, *other_paths])
     attention = flops_per_token(whole, seq_len) - 6 * matmul_weights(whole)
-    return 6 * sum(matmul_weights(whole.get_submodule(path)) for path in chosen) + attention * len(chosen) / n_blocks
+    return 6 * weights + attention * len(block_paths) / n_blocks
 
 
 def stage_flops_per_token(whole, stages, split: list[list[str]], held: list[int], seq_len: int) -> float:
     """The training FLOPs per token of the pipeline stages `held` (a rank's), of the whole
     model `whole` (on meta) split into `split` (block paths per stage) by the plan's
-    `stages`: 6 per weight they multiply by, and their blocks' share of what the whole
-    model's count adds beyond 6 per weight (the attention term)."""
-    from engine.metrics.throughput import flops_per_token, matmul_weights
-    paths = [path for stage in held for path in split[stage]]
-    paths += list(stages.first) if 0 in held else []
-    paths += list(stages.last) if len(split) - 1 in held else []
-    weights = sum(matmul_weights(whole.get_submodule(path)) for path in paths)
-    attention = flops_per_token(whole, seq_len) - 6 * matmul_weights(whole)
-    blocks = sum(len(split[stage]) for stage in held)
-    return 6 * weights + attention * blocks / sum(map(len, split))
+    `stages` (blocks_flops_per_token, with the first and the last stage's modules outside
+    the blocks)."""
+    blocks = [path for stage in held for path in split[stage]]
+    ends = (list(stages.first) if 0 in held else []) + (list(stages.last) if len(split) - 1 in held else [])
+    return blocks_flops_per_token(whole, blocks, sum(map(len, split)), seq_len, ends)

@@ -436,8 +436,8 @@ def observe_stage_roles(cfg, layout: Layout, world: int, depth: int,
                         seen: dict | None = None) -> Iterator[tuple[Observation, float, float, float, float]]:
     """Under pipeline parallel: (the observation, the FLOPs per token, those in float8, those
     of routed experts, those whose forward AC runs again) of each distinct stage role
-    (simulate.pipeline_ranks) at `depth` blocks (observe_blocks), one by one; those in `seen` (pp rank -> role) without
-    simulating them again, and the others added to it."""
+    (simulate.pipeline_ranks) at `depth` blocks (observe_blocks), one by one; those in
+    `seen` (pp rank -> role) without simulating them again, and the others added to it."""
     from engine.dryrun.estimate import (expert_flops_per_token, float8_flops_per_token, recomputed_flops_per_token,
                                         stage_flops_per_token)
     from engine.dryrun.simulate import leading_per_stage, pipeline_ranks
