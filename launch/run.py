@@ -15,7 +15,6 @@ import functools
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -478,9 +477,6 @@ def stop_with_error(paragraph: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The exit code (common/errors.py) of this launch, or of this rank under torchrun."""
     argv = sys.argv[1:] if argv is None else argv
-    # FSDP warns when the root returns a view (TP's replicated logits are one), in case the
-    # caller modifies it in place; the loss here only reads the logits.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     args = parse_args(argv)
     torchrun = under_torchrun()
     try:

@@ -26,6 +26,7 @@ compile wrap the attention across cp ranks as they wrap the rest of the block.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -368,6 +369,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, op
         units.append((block, dims.fsdp))
         if post_forward_mesh is not None:
             install_post_forward_mesh(block, post_forward_mesh)
+    # FSDP warns when the root returns a view (TP's replicated logits are one), in case the
+    # caller changes it in place; the engine's loss only reads the logits. Here, so that every
+    # process that applies a plan is quiet: --plan-for's spawned workers as well as the ranks.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     fully_shard(model, mesh=dims.fsdp, reshard_after_forward=options.root_reshard_after_forward,
                 ignored_params=left_out, **policies)
     units.append((model, dims.fsdp))
