@@ -147,6 +147,7 @@ def figures(logged):
     return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in logged if r.get("committed", True)]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_whole_job_restart_resumes_every_group_from_the_checkpoint(tmp_path):
     """Fault-tolerant replica groups save checkpoints (the first live group writes them into
@@ -177,6 +178,7 @@ def test_a_whole_job_restart_resumes_every_group_from_the_checkpoint(tmp_path):
         assert math.isclose(loss, expected_loss, rel_tol=4 * 2**-23, abs_tol=0), (step, loss, expected_loss)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_groups_resume_at_their_own_data_positions(tmp_path):
     """A checkpoint taken while group 1 was behind (its positions set here to what a run with

@@ -355,6 +355,7 @@ def test_the_planner_searches_ep_at_1_within_a_node_and_at_the_most(flavor, mesh
     assert expert_degrees(load_config(DEFAULT_CONFIG, []), MeshSpec(**mesh)) == [1]
 
 
+@pytest.mark.slow
 def test_plan_for_a_mixture_of_experts_ranks_ep_layouts_and_the_best_trains(tmp_path):
     """--plan-for searches ep beside the other dimensions; the layouts are simulated at the
     load asked, or at ep where that is less (a real run of the best command follows)."""
