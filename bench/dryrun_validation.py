@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.dryrun_worker import measure_and_predict  # noqa: E402
-from tests.test_dryrun import BATCH, LAYOUTS, PEAK_TOLERANCE, WORLD, layout_id, rule_breaks  # noqa: E402
+from tests.test_dryrun import BATCH, LAYOUTS, WORLD, layout_id, rule_breaks  # noqa: E402
 
 MIB = 1024 ** 2
 LARGER = [  # the 100M flavor: fewer, shorter rows keep the real run to a minute on 2 cores
