@@ -76,7 +76,7 @@ def blocks() -> list[tuple[str, int, list[str], str | None]]:
     return found
 
 
-RUN = [(f"{doc}#{number}", commands) for doc, number, commands, reason in blocks() if reason is None]
+RUN = [(f"{doc}:{number}", commands) for doc, number, commands, reason in blocks() if reason is None]
 
 
 def test_left_out_blocks_say_why():
