@@ -807,6 +807,44 @@ def test_op_level_ac_is_left_out_where_recompute_cheap_did_not_fit_under_sequenc
         assert ops == ([] if sequence_parallel else [("true", "op", False)]), simulated
 
 
+def test_none_is_left_out_where_none_with_recompute_cheap_does_not_fit():
+    """first_fit's lighter_key (no process group: made-up outcomes): none with
+    recompute_cheap is probed before none, which is not simulated where it does not fit;
+    the first fit is the ladder's first that fits, and no layout is simulated twice. Under
+    pp the probe simulates the first stage role only (None: that role fits)."""
+    from engine.dryrun.search import Outcome, first_fit, ladders
+    from parallel.mesh import MeshSpec
+
+    name = lambda layout: "cheap" if layout.recompute_cheap else layout.activation_checkpoint
+    expected_under_pp = {  # what fits -> what is simulated, in order
+        # none and none with recompute_cheap do not fit: full AC is probed before selective
+        ("full",): ["probe cheap", "probe full", "selective", "full"],
+        ("cheap", "full"): ["probe cheap", "none", "cheap"],
+        ("none", "cheap", "full"): ["probe cheap", "none"],
+    }
+    for fitting, expected in expected_under_pp.items():
+        for spec in (MeshSpec(pp=4, dp=2, tp=2), MeshSpec(dp=8, tp=2)):
+            simulated = []
+
+            def evaluate(layout):
+                simulated.append((name(layout), layout.micro_batches))
+                return Outcome(layout, 1, object() if name(layout) in fitting else None)
+
+            def probe_first_role(layout):
+                simulated.append((f"probe {name(layout)}", layout.micro_batches))
+                return None if name(layout) in fitting else Outcome(layout, 1, None)
+
+            (ladder,) = ladders(spec, "true", True, 8, [("1F1B", 1)])
+            found = first_fit(ladder, evaluate, {}, probe_first_role if spec.pp > 1 else None)
+            fits = [o.layout for o in found if o.estimate is not None]
+            assert fits == [next(layout for layout in ladder if name(layout) in fitting)], (fitting, spec)
+            assert len(set(simulated)) == len(simulated), simulated
+            if spec.pp > 1:
+                assert [step for step, _ in simulated] == expected, (fitting, simulated)
+            if "cheap" not in fitting:  # none, which comes first, is tried where cheap fits
+                assert "none" not in [step for step, _ in simulated], (fitting, spec, simulated)
+
+
 @pytest.mark.parametrize("dim", ["pp", "pp_tie"])
 def test_a_tied_weights_gradient_across_stages_adds_to_the_step(dim):
     """The sum of a tied weight's gradient over its first and last stage (the pp group at

@@ -40,8 +40,9 @@ What is searched, and why not more:
   not fit, it is tried with full AC, which needs least memory at that count, before its
   other layouts: when that does not fit either, the count's other layouts are not
   simulated (first_fit; under pp this probe simulates the first stage role only, and
-  the ladder reuses it). With sequence parallelism op is not simulated where none with
-  recompute_cheap did not fit (lighter_key). Once a reshard setting fits with FSDP's
+  the ladder reuses it). None with recompute_cheap needs no more memory than none, nor,
+  with sequence parallelism, than op (lighter_key): it is probed before none, and where
+  it does not fit, neither none nor op is simulated. Once a reshard setting fits with FSDP's
   collectives hidden behind compute, the later ones are not simulated (search_job: they
   cannot be faster);
 - dtype: bfloat16 compute with fp32 gradient reduction. fp32 compute runs at a
@@ -648,15 +649,22 @@ def memory_key(layout: Layout) -> tuple[str, bool, int]:
 
 def lighter_key(layout: Layout) -> tuple[str, bool, int] | None:
     """The memory_key of a layout that needs no more memory than `layout`, where one is
-    known: none with recompute_cheap against op-level AC under sequence parallelism. Both
-    keep the outputs of matmuls and attention; op also keeps each row-parallel matmul's
-    partial sum, which holds the whole sequence, where recompute_cheap keeps a sequence
-    shard of the residual, and op recomputes a whole block at once in backward, where
-    recompute_cheap recomputes one sublayer (docs/parallelism.md, "Activations at their
-    true size"; tests/test_activation_memory.py measures both). Without sequence
-    parallelism the residual is whole too; there op needed less per block at 70B until
-    recompute_cheap freed the norms' outputs (2026-11-29), and the rule was not widened
-    since (not measured at every depth)."""
+    known:
+    - none with recompute_cheap against none: recompute_cheap keeps a subset of what none
+      keeps (the sublayers' inputs, not their norms' outputs, SwiGLU's products or sequence
+      parallel's gathered inputs), and in backward recomputes one sublayer's at a time,
+      which none holds for every block all along;
+    - none with recompute_cheap against op-level AC under sequence parallelism. Both keep
+      the outputs of matmuls and attention; op also keeps each row-parallel matmul's
+      partial sum, which holds the whole sequence, where recompute_cheap keeps a sequence
+      shard of the residual, and op recomputes a whole block at once in backward, where
+      recompute_cheap recomputes one sublayer (docs/parallelism.md, "Activations at their
+      true size"; tests/test_activation_memory.py measures both). Without sequence
+      parallelism the residual is whole too; there op needed less per block at 70B until
+      recompute_cheap freed the norms' outputs (2026-11-29), and the rule was not widened
+      since (not measured at every depth)."""
+    if layout.activation_checkpoint == "none" and not layout.recompute_cheap:
+        return "none", True, layout.micro_batches
     if layout.activation_checkpoint == "op" and layout.spec.tp > 1 and layout.sequence_parallel:
         return "none", True, layout.micro_batches
     return None
@@ -669,6 +677,14 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
       setting needing no more memory than this ladder's, or whose lighter_key did not:
       `beyond` maps each such key to its outcome, filled ladder by ladder in
       reshard_options' order;
+    - a layout whose lighter layout comes later in the ladder (none, then none with
+      recompute_cheap: the first recomputes less, so it is tried first) and does not fit:
+      that one is probed first, out of the ladder's order. At 405B on 16,384 GPUs no
+      layout fit with AC none, and 5 of the 33 simulated were none where none with
+      recompute_cheap did not fit either (2026-12-02). Where the lighter one fits, it is
+      reported only where the ladder reaches it, and no lighter layout is probed after it:
+      without pp the ladder then simulates none at each micro-batch count before it
+      reaches that fit, and probes at those counts would be simulations for nothing;
     - every layout of a micro-batch count at which full AC, which needs least memory at
       that count, does not fit. Before a third layout of a count is simulated (two have
       not fit, with this reshard setting or an earlier one), full AC at that count is
@@ -681,20 +697,37 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
     `probe(layout)` is an outcome, or None where it found only that part of the layout
     fits (search_job's: the first stage role of a pipeline); `evaluate` by default."""
     probe = probe or evaluate
-    outcomes, probed = [], {}  # memory_key of a full-AC layout probed -> its outcome, or None
-    for layout in ladder:
+    outcomes, probed = [], {}  # memory_key of a layout probed -> its outcome, or None
+    lighter_fits = False  # a lighter layout probed has fit (or its first role has)
+
+    def probe_first(key: tuple, position: int) -> bool | None:
+        """Probe the ladder's layout of `key` if it lies past `position` and was not probed:
+        True where it did not fit, False where it (or the part probed) fits, else None."""
+        other = next((i for i, candidate in enumerate(ladder) if memory_key(candidate) == key), None)
+        if other is None or other <= position or key in probed:
+            return None
+        probed[key] = probe(ladder[other])
+        if probed[key] is not None and probed[key].estimate is None:
+            outcomes.append(probed[key])
+            beyond[key] = probed[key]
+            return True
+        return False
+
+    for position, layout in enumerate(ladder):
         key = memory_key(layout)
         full = ("full", False, layout.micro_batches)
-        if key in beyond or full in beyond or lighter_key(layout) in beyond:
+        lighter = lighter_key(layout)
+        if key in beyond or full in beyond or lighter in beyond:
             continue
-        least = next((other for other in ladder if memory_key(other) == full), None)
-        failed_at_count = sum(micro == layout.micro_batches for _, _, micro in beyond) >= 2
-        if least is not None and least is not layout and full not in probed and failed_at_count:
-            probed[full] = probe(least)
-            if probed[full] is not None and probed[full].estimate is None:
-                outcomes.append(probed[full])
-                beyond[full] = probed[full]
+        if lighter is not None and not lighter_fits:
+            did_not_fit = probe_first(lighter, position)
+            if did_not_fit:
+                beyond[key] = probed[lighter]  # so this layout counts as not fitting at its count
                 continue
+            lighter_fits = did_not_fit is False
+        failed_at_count = sum(micro == layout.micro_batches for _, _, micro in beyond) >= 2
+        if failed_at_count and probe_first(full, position):
+            continue
         outcome = probed.get(key) or evaluate(layout)
         outcomes.append(outcome)
         if outcome.estimate is not None:
