@@ -681,10 +681,11 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
       recompute_cheap: the first recomputes less, so it is tried first) and does not fit:
       that one is probed first, out of the ladder's order. At 405B on 16,384 GPUs no
       layout fit with AC none, and 5 of the 33 simulated were none where none with
-      recompute_cheap did not fit either (2026-12-02). Where the lighter one fits, it is
-      reported only where the ladder reaches it, and no lighter layout is probed after it:
-      without pp the ladder then simulates none at each micro-batch count before it
-      reaches that fit, and probes at those counts would be simulations for nothing;
+      recompute_cheap did not fit either (commit 6565a49, 2026-12-05). Where the lighter
+      one fits, it is reported only where the ladder reaches it, and no lighter layout is
+      probed after it: without pp the ladder then simulates none at each micro-batch count
+      before it reaches that fit, and probes at those counts would be simulations for
+      nothing;
     - every layout of a micro-batch count at which full AC, which needs least memory at
       that count, does not fit. Before a third layout of a count is simulated (two have
       not fit, with this reshard setting or an earlier one), full AC at that count is
