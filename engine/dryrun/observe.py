@@ -73,6 +73,10 @@ def observe_step(model, cfg, dims, device, fake: bool, trace: bool = False) -> O
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     create_optimizer_state(model, optimizer)
     t = cfg.training
+    # The launcher refuses such a batch (launch/run.py); another caller would otherwise
+    # simulate a step of empty tensors, which does not end.
+    if t.global_batch < dims.data_size or t.global_batch % dims.data_size:
+        raise ValueError(f"training.global_batch={t.global_batch} does not divide over {dims.data_size} data ranks")
     rows, length = t.global_batch // dims.data_size, t.seq_len // dims.cp_size  # cp: this rank's two chunks
     inputs = torch.zeros(rows, length, dtype=torch.long, device=device)
     targets = torch.zeros(rows, length, dtype=torch.long, device=device)
