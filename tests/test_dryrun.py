@@ -667,24 +667,26 @@ def recompute_costs() -> dict:
 
 def simulated_error_for_a_batch_smaller_than_the_data_ranks() -> str:
     from common.config import load_config
+    from common.errors import UserError
     from engine.dryrun.simulate import simulate
     from launch.run import DEFAULT_CONFIG
 
     cfg = load_config(DEFAULT_CONFIG, ["parallel.mesh=dp=4", "training.global_batch=2"])
     try:
         simulate(cfg, parse_mesh("dp=4").resolve(4), 4)
-    except ValueError as err:
+    except UserError as err:
         return str(err)
     return "no error"
 
 
 def test_a_simulated_step_refuses_a_batch_that_does_not_divide_over_the_data_ranks():
-    """The launcher refuses such a batch; simulate's own callers (the search, the tests'
-    workers) get an error at once, where 0 rows per rank would simulate a step that does
-    not end (fake process group, in a process of its own)."""
+    """The launcher refuses such a batch; simulate's other callers (the search, the tests'
+    workers) get the real step's error, not a step observed on 0 rows per rank (fake
+    process group, in a process of its own)."""
     from tests.distributed import call_in_own_process
     error = call_in_own_process("tests.test_dryrun:simulated_error_for_a_batch_smaller_than_the_data_ranks")
-    assert error == "training.global_batch=2 does not divide over 4 data ranks"
+    assert error == ("training.global_batch=2 does not divide over 4 data-parallel ranks (hsdp x dp). "
+                     "Use a multiple of 4.")
 
 
 def test_full_and_selective_ac_cost_the_forward_of_the_blocks_they_checkpoint():

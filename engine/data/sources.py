@@ -337,13 +337,18 @@ def data_fingerprint(cfg) -> str:
     return data
 
 
-def local_batch(source, step: int, global_batch: int, seq_len: int,
-                data_rank: int = 0, data_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) for this data rank's rows of global batch `step`."""
+def rows_per_data_rank(global_batch: int, data_size: int) -> int:
+    """Each data rank's share of the global batch, which must divide evenly."""
     if global_batch % data_size:
         raise UserError(f"training.global_batch={global_batch} does not divide over {data_size} "
                         f"data-parallel ranks (hsdp x dp). Use a multiple of {data_size}.")
-    rows = global_batch // data_size
+    return global_batch // data_size
+
+
+def local_batch(source, step: int, global_batch: int, seq_len: int,
+                data_rank: int = 0, data_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) for this data rank's rows of global batch `step`."""
+    rows = rows_per_data_rank(global_batch, data_size)
     first = data_rank * rows
     windows = torch.stack([source.sample(step, i, seq_len + 1) for i in range(first, first + rows)])
     return windows[:, :-1], windows[:, 1:]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from engine.data.sources import rows_per_data_rank
 from engine.dryrun import record, torch_internals
 from engine.train import build_optimizer, train_step
 from parallel.context import shapes_only
@@ -73,11 +74,10 @@ def observe_step(model, cfg, dims, device, fake: bool, trace: bool = False) -> O
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.training.steps)
     create_optimizer_state(model, optimizer)
     t = cfg.training
-    # The launcher refuses such a batch (launch/run.py); another caller would otherwise
-    # simulate a step of empty tensors, which does not end.
-    if t.global_batch < dims.data_size or t.global_batch % dims.data_size:
-        raise ValueError(f"training.global_batch={t.global_batch} does not divide over {dims.data_size} data ranks")
-    rows, length = t.global_batch // dims.data_size, t.seq_len // dims.cp_size  # cp: this rank's two chunks
+    # Checked as a real step checks it: simulate's callers other than the launcher (the
+    # search, the tests' workers) would otherwise observe a step of 0 rows.
+    rows = rows_per_data_rank(t.global_batch, dims.data_size)
+    length = t.seq_len // dims.cp_size  # cp: this rank's two chunks
     inputs = torch.zeros(rows, length, dtype=torch.long, device=device)
     targets = torch.zeros(rows, length, dtype=torch.long, device=device)
     table = record.CommTable()
