@@ -15,6 +15,7 @@ import functools
 import os
 import sys
 import traceback
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,8 +141,16 @@ def checked_config(args: argparse.Namespace, world_size: int | None):
     from parallel.reshard import needs_own_post_forward_mesh, resolve_reshard
     from parallel.validate import validate_plan
     register_model_sources(cfg)
-    if not (args.dry_run or args.plan_for):  # a dry run simulates a GPU job on any machine
-        check_gpu_count(cfg, spec.world_size)
+    if args.dry_run or args.plan_for:
+        check_writable(cfg.dryrun.report, "dryrun.report")
+        check_writable(args.trace, "--trace")
+    else:
+        check_gpu_count(cfg, spec.world_size)  # a dry run simulates a GPU job on any machine
+        check_writable(cfg.run.dir, "run.dir", folder=True)
+        check_writable(cfg.checkpoint.export, "checkpoint.export")
+        if args.parity:
+            check_writable(cfg.parity.report, "parity.report")
+            check_writable(cfg.parity.record, "parity.record")
     hf_import = cfg.checkpoint.hf_import
     model = build_on_meta(cfg.model.name, cfg.model.flavor)  # shapes only: even 70B costs nothing here
     plan = plan_of(cfg)
@@ -246,6 +255,26 @@ def check_gpu_count(cfg, ranks_here: int) -> None:
                         f"or run it on the CPU with --set parallel.device=cpu.")
 
 
+def check_writable(path: str, what: str, folder: bool = False) -> None:
+    """A file (`folder`: a folder) that the run writes, checked before anything starts (a
+    search or a run can take hours): a file where a file is asked for and a folder where a
+    folder is, writable, and where it is missing, the nearest existing folder above it
+    writable (it is made when written)."""
+    if not path:
+        return
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        kind, example = ("a file", "") if folder else ("a folder", f", e.g. {str(target / 'out.json')!r}")
+        raise UserError(f"{what} {path!r} is {kind}; give {'a folder' if folder else 'a file'} to write{example}.")
+    nearest = next(above for above in (target, *target.parents) if above.exists())
+    if nearest != target and not nearest.is_dir():
+        raise UserError(f"{what} {path!r}: {str(nearest)!r} is a file, so no folder can be made in it. Give a "
+                        f"path in a folder you can write.")
+    if not os.access(nearest, os.W_OK | (os.X_OK if nearest.is_dir() else 0)):
+        raise UserError(f"{what} {path!r} cannot be written by this user ({str(nearest)!r}). Give a path in a "
+                        f"folder you can write.")
+
+
 def check_parity(cfg, spec) -> None:
     from engine.parity import trajectory
     from models import build_on_meta
@@ -278,6 +307,10 @@ def find_checkpoint(cfg, spec: MeshSpec):
     if init_from and not Path(init_from).is_file():
         raise UserError(f"checkpoint.init_from {init_from!r} does not exist. Give a file written "
                         f"by checkpoint.export.")
+    # torch.save's files are zip archives; anything else would fail in every rank at once
+    if init_from and not zipfile.is_zipfile(init_from):
+        raise UserError(f"checkpoint.init_from {init_from!r} is not a file written by torch.save (not a zip "
+                        f"archive). Give a file written by checkpoint.export.")
     ft = cfg.fault_tolerance
     if ft.enabled and ft.rejoin:
         return None  # a replica group started again heals from a live group instead
@@ -409,13 +442,23 @@ def dry_run(args: argparse.Namespace) -> int:
     result = simulate(cfg, spec, spec.world_size, trace=args.trace is not None)
     print(render(result, cfg), flush=True)
     if cfg.dryrun.report:
-        write_json(result, cfg, cfg.dryrun.report)
+        write_output(functools.partial(write_json, result, cfg), cfg.dryrun.report, "dryrun.report")
         print(f"report -> {cfg.dryrun.report}")
     if args.trace is not None:
         from engine.dryrun.trace import write_trace
-        write_trace(result, cfg, spec, args.trace)
+        write_output(functools.partial(write_trace, result, cfg, spec), args.trace, "--trace")
         print(f"trace -> {args.trace}")
     return EXIT_OK
+
+
+def write_output(write, path: str, what: str) -> None:
+    """`write(path)`, where a failure the checks above could not foresee (a full disk, a
+    file system that refuses it) is the user's to fix, not a crash."""
+    try:
+        write(path)
+    except OSError as err:
+        raise UserError(f"{what} {path!r} could not be written ({err.strerror or err}). The report is printed "
+                        f"above; give a path you can write.") from None
 
 
 def check_trace_request(args: argparse.Namespace) -> None:
@@ -429,7 +472,7 @@ def check_trace_request(args: argparse.Namespace) -> None:
 
 def plan_layouts(args: argparse.Namespace) -> int:
     from engine.dryrun.report import render_plan, render_outcome, write_plan_json
-    from engine.dryrun.search import plan_for, search_mesh
+    from engine.dryrun.search import plan_for, search_jobs, search_mesh
     from engine.metrics.throughput import flops_per_token
     from models import build_on_meta
 
@@ -442,13 +485,15 @@ def plan_layouts(args: argparse.Namespace) -> int:
     # The launcher's checks, on the mesh of the search that asks least of the batch.
     args.mesh = str(search_mesh(searched, args.world))
     cfg, _ = check(args, args.world)
+    search_jobs(cfg, args.world, depth)  # refuses dryrun.pp before the search's header
     fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor), cfg.training.seq_len)
     print(render_plan(cfg, args.world, depth, None), flush=True)
     outcomes = plan_for(cfg, args.world, depth, fpt, lambda o: print(render_outcome(o), flush=True))
     print(render_plan(cfg, args.world, depth, outcomes, [o for o in args.overrides
                                                           if not o.startswith("dryrun.")]))
     if cfg.dryrun.report:
-        write_plan_json(outcomes, cfg, args.world, cfg.dryrun.report)
+        write_output(functools.partial(write_plan_json, outcomes, cfg, args.world), cfg.dryrun.report,
+                     "dryrun.report")
         print(f"report -> {cfg.dryrun.report}")
     return EXIT_OK
 

@@ -395,3 +395,9 @@ def test_never_resume_over_existing_checkpoints(reference):
 def test_missing_import_file(tmp_path):
     assert_refused(["--set", f"checkpoint.init_from={tmp_path / 'no.pt'}"],
                    "checkpoint.init_from", "does not exist")
+
+
+def test_an_import_file_that_torch_did_not_write_is_refused_before_any_rank_starts(tmp_path):
+    text = tmp_path / "notes.pt"
+    text.write_text("not a state dict\n")
+    assert_refused(["--set", f"checkpoint.init_from={text}"], "is not a file written by torch.save")

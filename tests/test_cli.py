@@ -7,6 +7,7 @@ training cases are real multi-process runs (torchrun, gloo, CPU).
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,8 @@ def assert_clean_error(result, *fragments):
     for fragment in fragments:
         assert fragment in message, message
 
+
+FILE, FOLDER = str(Path(__file__).resolve()), str(Path(__file__).resolve().parent)  # paths that exist
 
 BAD_INPUT = [
     (["--mesh", "dp=4,ez=2"], ["unknown dimension 'ez'", "pp, hsdp, dp, cp, tp"]),
@@ -74,6 +77,12 @@ BAD_INPUT = [
     (["--parity", "--set", "parity.reference=false"], ["nothing to compare with", "parity.check_against"]),
     (["--parity", "--set", "parity.check_against=missing.json"], ["'missing.json' does not exist"]),
     (["--parity", "--set", "optim.name=lion"], ["accepted values: adamw, sgd"]),
+    # What the run writes, checked before it starts: a folder where a file is asked for, and so on
+    (["--set", f"run.dir={FILE}"], [f"run.dir {FILE!r} is a file; give a folder to write"]),
+    (["--set", f"checkpoint.export={FOLDER}"], [f"checkpoint.export {FOLDER!r} is a folder; give a file"]),
+    (["--set", f"checkpoint.export={FILE}/weights.pt"], [f"{FILE!r} is a file, so no folder can be made in it"]),
+    (["--parity", "--set", f"parity.report={FOLDER}"], [f"parity.report {FOLDER!r} is a folder"]),
+    (["--parity", "--set", f"parity.record={FILE}/r.json"], ["parity.record", "no folder can be made in it"]),
     (["--mesh", "cp=2", "--set", "training.seq_len=62"], ["does not split into 2 x cp = 4 equal chunks",
                                                           "multiple of 4"]),
     (["--mesh", "cp=2,tp=4", "--set", "parallel.sequence_parallel=true", "--set", "training.seq_len=12"],

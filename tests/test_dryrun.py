@@ -302,6 +302,10 @@ def test_dry_run_command_prints_the_report_and_writes_json(tmp_path):
     (["--parity"], "does not combine with --parity"),
     (["--set", "dryrun.device=custom"], "needs dryrun.peak_tflops"),
     (["--set", "dryrun.device=TPU"], "dryrun.device"),
+    # The files it writes, checked before the simulation (the launcher runs in the repository).
+    (["--trace", "."], "--trace '.' is a folder; give a file to write"),
+    (["--set", "dryrun.report=."], "dryrun.report '.' is a folder"),
+    (["--set", "dryrun.report=README.md/report.json"], "'README.md' is a file, so no folder can be made in it"),
 ])
 def test_dry_run_bad_input_is_one_paragraph(args, expected):
     result = launcher("--dry-run", *args)
@@ -553,11 +557,29 @@ def test_plan_for_a_model_added_through_the_plan_api(tmp_path):
     (["--plan-for"], "--world N"),
     (["--plan-for", "--world", "8", "--mesh", "dp=8"], "no --mesh"),
     (["--plan-for", "--dry-run", "--world", "8"], "does not combine"),
+    (["--plan-for", "--world", "8", "--set", "dryrun.report=."], "dryrun.report '.' is a folder"),
+    (["--plan-for", "--world", "8", "--set", "dryrun.pp=3"], "dryrun.pp=3: no pipeline size of it fits 8 ranks"),
+    (["--plan-for", "--world", "8", "--set", "dryrun.ep=2"], "llama/debug has no experts that its plan names"),
+    (["--plan-for", "--world", "8", "--set", "dryrun.ep=16", "--set", "model.name=llama_moe", "--set",
+      "model.flavor=debug-moe", "--set", "parallel.plan=llama_moe"], "dryrun.ep=16: no degree of it fits 8 ranks"),
 ])
 def test_plan_for_bad_input_is_one_paragraph(args, expected):
     result = launcher(*args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_report_that_cannot_be_written_at_the_end_is_one_paragraph():
+    """What the up-front check of an output file cannot foresee (a full disk, a file system
+    that refuses the file) is the user's to fix too."""
+    from common.errors import UserError
+    from launch.run import write_output
+
+    def refused(path):
+        raise OSError(28, "No space left on device", path)
+
+    with pytest.raises(UserError, match=r"dryrun.report 'r.json' could not be written \(No space left on device\)"):
+        write_output(refused, "r.json", "dryrun.report")
 
 
 @pytest.mark.compat

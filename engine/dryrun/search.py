@@ -301,8 +301,20 @@ def plan_has_stages(cfg) -> bool:
 
 def search_mesh(cfg, world: int) -> MeshSpec:
     """The searched mesh with the fewest data ranks, for the launcher's up-front checks
-    (without pipeline parallel, whose checks each layout's simulation makes)."""
-    return min(meshes(cfg, world), key=lambda spec: spec.hsdp * spec.dp)
+    (without pipeline parallel, whose checks each layout's simulation makes). Every ep
+    degree a pipeline's mesh takes, the mesh of the same world without pp and tp takes
+    too (its dp is a multiple of theirs), so where none is found here, dryrun.ep is wrong."""
+    counts = experts_counts(cfg)
+    if cfg.dryrun.ep and not counts:
+        raise UserError(f"dryrun.ep={cfg.dryrun.ep} lists expert-parallel degrees to search, but "
+                        f"{cfg.model.name}/{cfg.model.flavor} has no experts that its plan names: drop dryrun.ep.")
+    found = meshes(cfg, world)
+    if not found:
+        raise UserError(f"dryrun.ep={cfg.dryrun.ep}: no degree of it fits {world} ranks. An ep degree must "
+                        f"divide the experts of each experts module ({', '.join(map(str, sorted(set(counts))))}) "
+                        f"and the data-parallel ranks of a mesh (at most {world} here). Give degrees that do, or "
+                        f"leave dryrun.ep out to search the default ones.")
+    return min(found, key=lambda spec: spec.hsdp * spec.dp)
 
 
 def reshard_options(spec: MeshSpec, gpus_per_node: int, float8_all_gather: bool = False,
@@ -746,8 +758,7 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
     if cfg.dryrun.gpu_memory_gib <= 0:
         raise UserError(f"dryrun.gpu_memory_gib={cfg.dryrun.gpu_memory_gib}: give the GPU's memory in GiB, e.g. 80.")
     float8_speedup(device_profile(cfg.dryrun).name, cfg.parallel.float8)  # refused here, before any worker starts
-    jobs = [(spec, schedule) for spec in meshes(cfg, world, depth)
-            for schedule in pipeline_schedules(cfg, spec.pp, depth)]
+    jobs = search_jobs(cfg, world, depth)
     found = {}
     with search_workers(cfg, len(jobs)) as run:
         ordered = sorted(enumerate(jobs), key=lambda job: -job[1][0].pp * job[1][1][1])
@@ -758,6 +769,17 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
     outcomes = [outcome for index in range(len(jobs)) for outcome in found[index]]
     fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))
     return fits + [o for o in outcomes if not o.estimate]
+
+
+def search_jobs(cfg, world: int, depth: int) -> list[tuple[MeshSpec, tuple[str, int]]]:
+    """Each mesh searched, with each pipeline schedule (and stages per rank) searched on it."""
+    jobs = [(spec, schedule) for spec in meshes(cfg, world, depth)
+            for schedule in pipeline_schedules(cfg, spec.pp, depth)]
+    if not jobs:  # search_mesh found a mesh without pp, so dryrun.pp left it out
+        raise UserError(f"dryrun.pp={cfg.dryrun.pp}: no pipeline size of it fits {world} ranks and "
+                        f"{cfg.model.name}/{cfg.model.flavor}'s {depth} blocks. A size must divide the ranks and be "
+                        f"at most the blocks; add 1 to search layouts without pipeline parallel.")
+    return jobs
 
 
 def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int, list[Outcome]]:
