@@ -582,8 +582,11 @@ def test_an_interrupted_search_keeps_the_layouts_it_found(tmp_path):
     from tests.dryrun_worker import REPO
 
     report = tmp_path / "plan.json"
-    search = subprocess.Popen([sys.executable, str(REPO / "launch" / "run.py"), "--plan-for", "--world", "4", "--set",
-                               "training.seq_len=64", "--set", "training.global_batch=8", "--set",
+    # 16 ranks: 23 layouts, the first found at about 40% of the search (17 of 42 s on a quiet
+    # machine), so that the signal comes before its end even on a loaded one (at 4 ranks
+    # .ci/run once saw the search end first).
+    search = subprocess.Popen([sys.executable, str(REPO / "launch" / "run.py"), "--plan-for", "--world", "16", "--set",
+                               "training.seq_len=64", "--set", "training.global_batch=16", "--set",
                                "dryrun.gpu_memory_gib=0.025", "--set", "dryrun.search_workers=2", "--set",
                                f"dryrun.report={report}"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
