@@ -465,7 +465,6 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     # the root: parallel/apply.py silences it where each process shards the root).
     assert "Warning" not in result.stderr, result.stderr[-3000:]
     data = json.loads(report.read_text())
-    assert data["complete"] is True
     fits = [layout for layout in data["layouts"] if layout["fits"]]
     dropped = [layout for layout in data["layouts"] if not layout["fits"] and layout["simulated"]]
     skipped = [layout for layout in data["layouts"] if not layout["simulated"]]
@@ -568,45 +567,6 @@ def test_plan_for_bad_input_is_one_paragraph(args, expected):
     result = launcher(*args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
-
-
-def test_an_interrupted_search_keeps_the_layouts_it_found(tmp_path):
-    """Ctrl-C in a long --plan-for, which a terminal sends to the launcher and its search
-    workers alike: the report holds each layout simulated so far, ranked, marked
-    incomplete, and the launcher says so and exits 130, with nothing on stderr (no
-    worker's traceback, no leaked semaphores)."""
-    import os
-    import signal
-
-    from tests.distributed import cpu_env
-    from tests.dryrun_worker import REPO
-
-    report = tmp_path / "plan.json"
-    # 16 ranks: 23 layouts, the first found at about 40% of the search (17 of 42 s on a quiet
-    # machine), so that the signal comes before its end even on a loaded one (at 4 ranks
-    # .ci/run once saw the search end first).
-    search = subprocess.Popen([sys.executable, str(REPO / "launch" / "run.py"), "--plan-for", "--world", "16", "--set",
-                               "training.seq_len=64", "--set", "training.global_batch=16", "--set",
-                               "dryrun.gpu_memory_gib=0.025", "--set", "dryrun.search_workers=2", "--set",
-                               f"dryrun.report={report}"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        shown = []
-        for line in search.stdout:  # a layout's first line, printed once the report holds it
-            shown.append(line)
-            if line.startswith(("  fits ", "  drop ", "  skip ")):
-                break
-        found = json.loads(report.read_text())
-        os.killpg(search.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C
-        out, err = search.communicate(timeout=120)
-    finally:
-        search.kill()
-    assert search.returncode == 130, "".join(shown) + out + err[-3000:]
-    assert found["complete"] is False and found["layouts"], found
-    kept = json.loads(report.read_text())  # with any found before the signal arrived
-    assert kept["complete"] is False and all(layout in kept["layouts"] for layout in found["layouts"]), kept
-    assert "interrupted after" in out and f"they are in {report}" in out, out
-    assert err == "", err[-3000:]
 
 
 def test_a_report_that_cannot_be_written_at_the_end_is_one_paragraph():
