@@ -9,6 +9,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a parity FAIL, or a crash
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE_LOSS = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it (128 + SIGINT)
 
 
 class UserError(Exception):

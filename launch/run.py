@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import os
 import sys
 import traceback
@@ -23,7 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from common.config import load_config  # noqa: E402
-from common.errors import (EXIT_FAILED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
+from common.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
                            NonFiniteLoss, UserError)
 from engine.plugins import register_model_sources  # noqa: E402
 from launch.exits import leave_crash, leave_error, prepare_forked_rank, ranks_print_errors, run_agent  # noqa: E402
@@ -472,7 +473,7 @@ def check_trace_request(args: argparse.Namespace) -> None:
 
 def plan_layouts(args: argparse.Namespace) -> int:
     from engine.dryrun.report import render_plan, render_outcome, write_plan_json
-    from engine.dryrun.search import plan_for, search_jobs, search_mesh
+    from engine.dryrun.search import plan_for, ranked, search_jobs, search_mesh
     from engine.metrics.throughput import flops_per_token
     from models import build_on_meta
 
@@ -488,13 +489,34 @@ def plan_layouts(args: argparse.Namespace) -> int:
     search_jobs(cfg, args.world, depth)  # refuses dryrun.pp before the search's header
     fpt = flops_per_token(build_on_meta(cfg.model.name, cfg.model.flavor), cfg.training.seq_len)
     print(render_plan(cfg, args.world, depth, None), flush=True)
-    outcomes = plan_for(cfg, args.world, depth, fpt, lambda o: print(render_outcome(o), flush=True))
+    report, found = cfg.dryrun.report, []
+
+    def keep(outcomes: list, complete: bool) -> None:
+        if report:
+            write_output(functools.partial(write_plan_json, ranked(outcomes), cfg, args.world, complete=complete),
+                         report, "dryrun.report")
+
+    def show(outcome) -> None:  # a search can take an hour: what it found is kept as it goes
+        found.append(outcome)
+        keep(found, complete=False)
+        print(render_outcome(outcome), flush=True)
+
+    try:
+        outcomes = plan_for(cfg, args.world, depth, fpt, show)
+    except KeyboardInterrupt:
+        kept = f"; they are in {report} (\"complete\": false)" if report and found else ""
+        print(f"\ninterrupted after {len(found)} layouts{kept}", flush=True)
+        outcomes = None
+    if outcomes is None:
+        # The interrupted frames held the search's worker pool in reference cycles: freed
+        # here, its semaphores are released before the launcher exits without teardown.
+        gc.collect()
+        return EXIT_INTERRUPTED
     print(render_plan(cfg, args.world, depth, outcomes, [o for o in args.overrides
                                                           if not o.startswith("dryrun.")]))
-    if cfg.dryrun.report:
-        write_output(functools.partial(write_plan_json, outcomes, cfg, args.world), cfg.dryrun.report,
-                     "dryrun.report")
-        print(f"report -> {cfg.dryrun.report}")
+    keep(outcomes, complete=True)
+    if report:
+        print(f"report -> {report}")
     return EXIT_OK
 
 

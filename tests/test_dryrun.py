@@ -465,6 +465,7 @@ def test_plan_for_ranks_layouts_and_its_best_command_trains(tmp_path):
     # the root: parallel/apply.py silences it where each process shards the root).
     assert "Warning" not in result.stderr, result.stderr[-3000:]
     data = json.loads(report.read_text())
+    assert data["complete"] is True
     fits = [layout for layout in data["layouts"] if layout["fits"]]
     dropped = [layout for layout in data["layouts"] if not layout["fits"] and layout["simulated"]]
     skipped = [layout for layout in data["layouts"] if not layout["simulated"]]
@@ -567,6 +568,46 @@ def test_plan_for_bad_input_is_one_paragraph(args, expected):
     result = launcher(*args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_an_interrupted_search_keeps_the_layouts_it_found(tmp_path):
+    """Ctrl-C in a long --plan-for, which a terminal sends to the launcher and its search
+    workers alike: the report holds each layout simulated so far, ranked, marked
+    incomplete, and the launcher says so and exits 130, with nothing on stderr (no
+    worker's traceback, no leaked semaphores)."""
+    import os
+    import signal
+
+    from tests.distributed import cpu_env
+    from tests.dryrun_worker import REPO
+
+    report = tmp_path / "plan.json"
+    # SIGINT as a terminal leaves it: a job that a shell starts in the background (as .ci/run
+    # starts the suite) inherits it ignored, and Python then installs no KeyboardInterrupt
+    # handler, so the search would run on to its end.
+    search = subprocess.Popen([sys.executable, str(REPO / "launch" / "run.py"), "--plan-for", "--world", "4", "--set",
+                               "training.seq_len=64", "--set", "training.global_batch=16", "--set",
+                               "dryrun.gpu_memory_gib=0.025", "--set", "dryrun.search_workers=2", "--set",
+                               f"dryrun.report={report}"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        shown = []
+        for line in search.stdout:  # a layout's first line, printed once the report holds it
+            shown.append(line)
+            if line.startswith(("  fits ", "  drop ", "  skip ")):
+                break
+        found = json.loads(report.read_text())
+        os.killpg(search.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C
+        out, err = search.communicate(timeout=120)
+    finally:
+        search.kill()
+    assert search.returncode == 130, "".join(shown) + out + err[-3000:]
+    assert found["complete"] is False and found["layouts"], found
+    kept = json.loads(report.read_text())  # with any found before the signal arrived
+    assert kept["complete"] is False and all(layout in kept["layouts"] for layout in found["layouts"]), kept
+    assert "interrupted after" in out and f"they are in {report}" in out, out
+    assert err == "", err[-3000:]
 
 
 def test_a_report_that_cannot_be_written_at_the_end_is_one_paragraph():

@@ -7,6 +7,7 @@ meaning bumps `version`.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from engine.dryrun.estimate import device_profile, float8_speedup
@@ -209,13 +210,18 @@ def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str
     return "\n".join(lines)
 
 
-def write_plan_json(outcomes, cfg, world: int, path: str) -> None:
+def write_plan_json(outcomes, cfg, world: int, path: str, complete: bool = True) -> None:
+    """The search's layouts, best first; `complete` false while it runs (each layout is
+    written as it is found, so an interrupted search keeps them). Written whole or not at
+    all: a stop between two writes leaves the previous one."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     layouts = [{"mesh": str(o.layout.spec), "overrides": o.layout.overrides(), "fits": o.estimate is not None,
                 "peak_bytes": o.peak_bytes, "reason": o.reason, "simulated": o.simulated,
                 "step": o.estimate.as_dict() if o.estimate else None}
                for o in outcomes]
-    target.write_text(json.dumps({"version": VERSION, "model": f"{cfg.model.name}/{cfg.model.flavor}",
-                                  "world_size": world, "device": dict(vars(cfg.dryrun)), "layouts": layouts},
-                                 indent=1) + "\n")
+    written = target.with_name(target.name + ".partial")
+    written.write_text(json.dumps({"version": VERSION, "model": f"{cfg.model.name}/{cfg.model.flavor}",
+                                   "world_size": world, "complete": complete, "device": dict(vars(cfg.dryrun)),
+                                   "layouts": layouts}, indent=1) + "\n")
+    os.replace(written, target)

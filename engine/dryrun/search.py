@@ -93,6 +93,7 @@ import functools
 import itertools
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -766,7 +767,11 @@ def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outc
             for outcome in outcomes:
                 report(outcome)
             found[index] = outcomes
-    outcomes = [outcome for index in range(len(jobs)) for outcome in found[index]]
+    return ranked([outcome for index in range(len(jobs)) for outcome in found[index]])
+
+
+def ranked(outcomes: list[Outcome]) -> list[Outcome]:
+    """Those that fit by tokens/s (then the least peak), then the others in their order."""
     fits = sorted((o for o in outcomes if o.estimate), key=lambda o: (-o.estimate.tokens_per_s, o.peak_bytes))
     return fits + [o for o in outcomes if not o.estimate]
 
@@ -849,7 +854,15 @@ def search_workers(cfg, jobs: int):
         yield map
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(cfg,)) as pool:
+    # Ctrl-C reaches every process of the terminal's group: the workers start with it
+    # ignored (an ignored signal stays so in the process a spawn starts), and the launcher
+    # alone handles it, keeping what was found and stopping the pool (launch/run.py).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = context.Pool(workers, initializer=_start_worker, initargs=(cfg,))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with pool:
         yield lambda function, jobs: pool.imap_unordered(function, jobs)
 
 
