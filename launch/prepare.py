@@ -24,8 +24,8 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,10 +104,9 @@ def text_pieces(path: Path):
     yield (START if first else 0) | END, buffer, len(buffer.encode("utf-8", "surrogatepass"))
 
 
-def jobs(paths: list[Path], text_key: str, failure: list):
+def jobs(paths: list[Path], text_key: str):
     """Pool tasks, in input order: ("text", path, [(flags, text)], bytes) or ("jsonl", path,
-    first line number, [lines], bytes), each about JOB_CHARS. A read error ends the stream
-    and is left in `failure` for the caller (this generator runs in the pool's feeder thread)."""
+    first line number, [lines], bytes), each about JOB_CHARS."""
     try:
         for path in paths:
             if path.suffix in JSONL:
@@ -133,10 +132,8 @@ def jobs(paths: list[Path], text_key: str, failure: list):
                         pieces, size = [], 0
                 if pieces:
                     yield ("text", str(path), pieces, size)
-    except UserError as err:
-        failure.append(err)
     except OSError as err:
-        failure.append(UserError(f"cannot read {err.filename or 'an input'}: {err.strerror or err}."))
+        raise UserError(f"cannot read {err.filename or 'an input'}: {err.strerror or err}.") from None
 
 
 # -- tokenizing (in the pool's processes) ---------------------------------------------------
@@ -147,7 +144,6 @@ _worker: dict = {}
 def init_worker(spec: str, text_key: str, dtype: str, in_pool: bool = True) -> None:
     if in_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate stops workers with SIGTERM
     _worker.update(tokenizer=load_tokenizer(spec), text_key=text_key, dtype=np.dtype(dtype))
 
 
@@ -184,14 +180,67 @@ def encode_job(job):
         return job[1], "error", f"tokenizing {job[1]} failed: {type(err).__name__}: {err}."
 
 
-def bounded(iterable, slots: threading.Semaphore, stop: threading.Event):
-    """Yield from `iterable` only while fewer than the semaphore's count of tasks are in
-    flight: Pool.imap otherwise reads its whole input ahead into memory."""
-    for item in iterable:
-        while not slots.acquire(timeout=0.1):
-            if stop.is_set():
-                return
-        yield item
+def work(connection, initargs: tuple) -> None:
+    """A tokenizing process: a job in, its result out, until the parent closes its end."""
+    init_worker(*initargs)
+    while True:
+        try:
+            job = connection.recv()
+        except EOFError:
+            return
+        connection.send(encode_job(job))
+
+
+def encoded(stream, workers: int, initargs: tuple):
+    """encode_job's results for the jobs of `stream`, in order. Job k goes to worker k mod
+    workers, which holds one job at a time, so memory stays bounded whatever the inputs'
+    size. Each worker has a pipe of its own and shares no lock: a worker that dies (killed
+    with the whole process group, or out of memory) is an end of file here, not a hang, and
+    the parent stops them all by killing them."""
+    if workers == 1:
+        init_worker(*initargs, in_pool=False)
+        yield from map(encode_job, stream)
+        return
+    context = multiprocessing.get_context("spawn")  # a fork copies locks held by other threads
+    pool = []
+
+    def exchange(index: int, job=None):
+        """Sends job `index` to its worker, or with no job, takes that job's result."""
+        process, connection = pool[index % workers]
+        try:
+            return connection.recv() if job is None else connection.send(job)
+        except (EOFError, OSError):  # OSError: it died while a message was under way
+            process.join(5)
+            raise UserError(f"a tokenizing worker process ended before its work was done (exit code "
+                            f"{process.exitcode}: killed, or out of memory?); nothing was written. Run again, "
+                            f"with fewer --workers if memory is short.") from None
+
+    try:
+        # Started with SIGINT ignored, which they keep: Ctrl-C reaches the whole process
+        # group, and stopping is the parent's to do.
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for _ in range(workers):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=work, args=(theirs, initargs), daemon=True)
+                process.start()
+                theirs.close()  # so that the worker's death reads as an end of file
+                pool.append((process, ours))
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
+        sent = 0
+        for job in stream:
+            if sent >= workers:
+                yield exchange(sent - workers)
+            exchange(sent, job)
+            sent += 1
+        for index in range(max(0, sent - workers), sent):
+            yield exchange(index)
+    finally:
+        for process, connection in pool:
+            process.kill()
+            process.join()
+            connection.close()
 
 
 def plural(count: int, noun: str) -> str:
@@ -266,23 +315,11 @@ def prepare(inputs: list[str], out: str, tokenizer_spec: str = "bytes", workers:
     eos = np.asarray([tokenizer.eos_id if append_eos else 0], dtype=writer.dtype)
     per_source = {str(p): {"path": str(p), "bytes": p.stat().st_size, "documents": 0, "tokens": 0} for p in paths}
     progress = Progress()
-    failure: list[UserError] = []
-    stop = threading.Event()
     try:
-        stream = jobs(paths, text_key, failure)
-        if workers == 1:
-            init_worker(tokenizer_spec, text_key, writer.dtype.str, in_pool=False)
-            results = (encode_job(job) for job in stream)
-            pool = slots = None
-        else:
-            slots = threading.Semaphore(2 * workers)
-            pool = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork").Pool(
-                workers, init_worker, (tokenizer_spec, text_key, writer.dtype.str))
-            results = pool.imap(encode_job, bounded(stream, slots, stop))
-        try:
+        initargs = (tokenizer_spec, text_key, writer.dtype.str)
+        # closed on an error too, which stops the workers there and then
+        with closing(encoded(jobs(paths, text_key), workers, initargs)) as results:
             for path, pieces, size in results:
-                if slots is not None:
-                    slots.release()
                 if isinstance(pieces, str):
                     raise UserError(size)
                 source = per_source[path]
@@ -298,13 +335,6 @@ def prepare(inputs: list[str], out: str, tokenizer_spec: str = "bytes", workers:
                 progress.documents, progress.tokens = writer.documents, writer.tokens
                 progress.bytes += size
                 progress.update()
-        finally:
-            stop.set()
-            if pool is not None:
-                pool.terminate()
-                pool.join()
-        if failure:
-            raise failure[0]
         progress.close()
         summary = {"documents": writer.documents, "tokens": writer.tokens, "dtype": writer.dtype_name,
                    "tokenizer": tokenizer.identity, "bytes": sum(s["bytes"] for s in per_source.values())}

@@ -4,9 +4,14 @@ tokenizer and a trained tokenizer.json; bad input exits 2 with one paragraph."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
-import threading
+import time
+from contextlib import closing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +25,19 @@ JSONL_DOCS = ["first document", "", "naïve café — 日本語 🙂", "line one
 
 
 def prepare(*args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "launch" / "prepare.py"), *map(str, args)], cwd=REPO,
-                          env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+    """Runs launch/prepare.py. One run in CI once hung (it takes a second): should one hang
+    again, the failure shows where each of its processes was, from faulthandler's dump on SIGABRT."""
+    command = [sys.executable, str(REPO / "launch" / "prepare.py"), *map(str, args)]
+    with subprocess.Popen(command, cwd=REPO, env=cpu_env(PYTHONFAULTHANDLER="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGABRT)
+            stdout, stderr = run.communicate()
+            pytest.fail(f"launch/prepare.py {' '.join(map(str, args))} still ran after {timeout} s; the stacks of "
+                        f"its processes:\n{stderr}\n{stdout}")
+    return subprocess.CompletedProcess(command, run.returncode, stdout, stderr)
 
 
 def documents(folder) -> list[np.ndarray]:
@@ -126,22 +142,27 @@ def test_text_is_read_in_pieces_that_join_back():
     assert sum(n for _, _, n in pieces) == path.stat().st_size
 
 
-def test_the_pool_is_fed_only_as_fast_as_results_are_taken():
+def test_the_pool_takes_jobs_only_as_fast_as_results_are_taken_and_ends_with_its_reader():
     import launch.prepare as p
 
-    slots, stop = threading.Semaphore(2), threading.Event()
-    fed = p.bounded(iter(range(10)), slots, stop)
-    assert [next(fed), next(fed)] == [0, 1]
-    got = []
-    reader = threading.Thread(target=lambda: got.append(next(fed)))
-    reader.start()
-    reader.join(0.3)
-    assert got == []  # two in flight: the third waits
-    slots.release()
-    reader.join(5)
-    assert got == [2]
-    stop.set()
-    assert list(fed) == []  # stopped while waiting: the feed ends
+    pulled = []
+
+    def stream():
+        for i in range(10):
+            pulled.append(i)
+            yield "text", f"doc{i}", [(p.START | p.END, "x" * i)], i
+
+    workers = 2
+    with closing(p.encoded(stream(), workers, ("bytes", "text", "<u2"))) as results:
+        for taken, (path, pieces, size) in enumerate(results, 1):
+            assert (path, size) == (f"doc{taken - 1}", taken - 1)  # in input order
+            assert [ids.tolist() for _, ids in pieces] == [[ord("x")] * (taken - 1)]
+            # a job per worker in flight, and the next one read, before the first result is taken
+            assert len(pulled) == min(workers + taken, 10), pulled
+            assert multiprocessing.active_children()
+            if taken == 6:
+                break  # as an error in the reader does: closing the results ends the pool
+    assert multiprocessing.active_children() == []
 
 
 BAD = {
@@ -173,3 +194,44 @@ def test_bad_input_exits_2_with_one_paragraph(tmp_path, case):
         assert fragment in message, message
     assert not (tmp_path / "out.partial").exists()
     assert out.exists() == (case == "exists")
+
+
+@pytest.mark.parametrize("kill", ["SIGTERM to the group", "SIGINT to the group", "SIGKILL to a worker"])
+def test_a_preparation_killed_with_or_by_its_workers_ends_at_once_and_writes_nothing(tmp_path, kill):
+    """A kill of the whole process group (Ctrl-C, or `kill -- -PGID` from a scheduler) reaches
+    the workers too. With multiprocessing.Pool the preparation then hung for good, in its
+    terminate(), about one time in two (a worker killed while it held the task queue's lock),
+    and concurrent.futures' pool hung too (a worker killed while it sent a result)."""
+    text = tmp_path / "big.txt"
+    text.write_text("a line of text for the pool\n" * 1_500_000)  # 42 MB: seconds of work for 2 workers
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO / "launch" / "prepare.py"), *[str(text)] * 8, "--out", str(out),
+               "--workers", "2"]
+    with subprocess.Popen(command, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as run:
+        def workers() -> list[int]:
+            children = subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True, text=True).stdout.split()
+            return [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+
+        while len(workers()) < 2 and run.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.3)  # the workers are tokenizing
+        assert run.poll() is None, "the preparation ended before the kill: give it more text"
+        if kill == "SIGKILL to a worker":
+            os.kill(workers()[0], signal.SIGKILL)
+        else:
+            os.killpg(run.pid, getattr(signal, kill.split()[0]))
+        try:
+            _, stderr = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            pytest.fail(f"launch/prepare.py still ran 60 s after {kill}")
+    if kill == "SIGKILL to a worker":
+        assert run.returncode == 2, stderr
+        assert stderr.startswith("error: a tokenizing worker process ended before its work was done (exit code -9"), stderr
+        assert stderr.count("\n") == 1, stderr
+    else:
+        assert run.returncode == 130, stderr
+        assert stderr.strip() == "interrupted: nothing was written", stderr
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
