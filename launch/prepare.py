@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -37,6 +36,7 @@ import numpy as np  # noqa: E402
 from engine.data.token_file import DTYPES, INDEX, TokenWriter, id_outside, read_index, scan_ids  # noqa: E402
 from engine.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from common.workers import WorkerDied, imap  # noqa: E402
 
 PIECE_CHARS = 1 << 16  # a text file is tokenized in pieces of about this many characters
 JOB_CHARS = 1 << 20  # characters of text (or JSON) per pool task
@@ -180,67 +180,20 @@ def encode_job(job):
         return job[1], "error", f"tokenizing {job[1]} failed: {type(err).__name__}: {err}."
 
 
-def work(connection, initargs: tuple) -> None:
-    """A tokenizing process: a job in, its result out, until the parent closes its end."""
-    init_worker(*initargs)
-    while True:
-        try:
-            job = connection.recv()
-        except EOFError:
-            return
-        connection.send(encode_job(job))
-
-
 def encoded(stream, workers: int, initargs: tuple):
-    """encode_job's results for the jobs of `stream`, in order. Job k goes to worker k mod
-    workers, which holds one job at a time, so memory stays bounded whatever the inputs'
-    size. Each worker has a pipe of its own and shares no lock: a worker that dies (killed
-    with the whole process group, or out of memory) is an end of file here, not a hang, and
-    the parent stops them all by killing them."""
+    """encode_job's results for the jobs of `stream`, in order, from `workers` processes
+    (common/workers.py: at most 2 x workers jobs read ahead, so memory stays bounded
+    whatever the inputs' size, and a worker's death is an error, not a hang)."""
     if workers == 1:
         init_worker(*initargs, in_pool=False)
         yield from map(encode_job, stream)
         return
-    context = multiprocessing.get_context("spawn")  # a fork copies locks held by other threads
-    pool = []
-
-    def exchange(index: int, job=None):
-        """Sends job `index` to its worker, or with no job, takes that job's result."""
-        process, connection = pool[index % workers]
+    with closing(imap(encode_job, stream, workers, init_worker, initargs)) as results:
         try:
-            return connection.recv() if job is None else connection.send(job)
-        except (EOFError, OSError):  # OSError: it died while a message was under way
-            process.join(5)
-            raise UserError(f"a tokenizing worker process ended before its work was done (exit code "
-                            f"{process.exitcode}: killed, or out of memory?); nothing was written. Run again, "
-                            f"with fewer --workers if memory is short.") from None
-
-    try:
-        # Started with SIGINT ignored, which they keep: Ctrl-C reaches the whole process
-        # group, and stopping is the parent's to do.
-        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            for _ in range(workers):
-                ours, theirs = context.Pipe()
-                process = context.Process(target=work, args=(theirs, initargs), daemon=True)
-                process.start()
-                theirs.close()  # so that the worker's death reads as an end of file
-                pool.append((process, ours))
-        finally:
-            signal.signal(signal.SIGINT, interrupt)
-        sent = 0
-        for job in stream:
-            if sent >= workers:
-                yield exchange(sent - workers)
-            exchange(sent, job)
-            sent += 1
-        for index in range(max(0, sent - workers), sent):
-            yield exchange(index)
-    finally:
-        for process, connection in pool:
-            process.kill()
-            process.join()
-            connection.close()
+            yield from results
+        except WorkerDied as died:
+            raise UserError(f"{died}; nothing was written. Run again, with fewer --workers if memory is "
+                            f"short.") from None
 
 
 def plural(count: int, noun: str) -> str:

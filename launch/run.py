@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import os
 import sys
 import traceback
@@ -26,6 +25,7 @@ if str(REPO) not in sys.path:
 from common.config import load_config  # noqa: E402
 from common.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, EXIT_OK, EXIT_USER_ERROR,  # noqa: E402
                            NonFiniteLoss, UserError)
+from common.workers import WorkerDied  # noqa: E402
 from engine.plugins import register_model_sources  # noqa: E402
 from launch.exits import leave_crash, leave_error, prepare_forked_rank, ranks_print_errors, run_agent  # noqa: E402
 from launch.build import pick_device, sharded_model, start_process_group  # noqa: E402
@@ -501,17 +501,18 @@ def plan_layouts(args: argparse.Namespace) -> int:
         keep(found, complete=False)
         print(render_outcome(outcome), flush=True)
 
+    def kept() -> str:
+        return f"; they are in {report} (\"complete\": false)" if report and found else ""
+
     try:
         outcomes = plan_for(cfg, args.world, depth, fpt, show)
     except KeyboardInterrupt:
-        kept = f"; they are in {report} (\"complete\": false)" if report and found else ""
-        print(f"\ninterrupted after {len(found)} layouts{kept}", flush=True)
-        outcomes = None
-    if outcomes is None:
-        # The interrupted frames held the search's worker pool in reference cycles: freed
-        # here, its semaphores are released before the launcher exits without teardown.
-        gc.collect()
+        print(f"\ninterrupted after {len(found)} layouts{kept()}", flush=True)
         return EXIT_INTERRUPTED
+    except WorkerDied as died:
+        raise UserError(f"the search stopped after {len(found)} layouts{kept()}: {died}. Each search worker "
+                        f"simulates a layout in memory of its own; run again with fewer of them "
+                        f"(--set dryrun.search_workers=N, 0 takes one per core, at most 4).") from None
     print(render_plan(cfg, args.world, depth, outcomes, [o for o in args.overrides
                                                           if not o.startswith("dryrun.")]))
     keep(outcomes, complete=True)

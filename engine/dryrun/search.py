@@ -91,9 +91,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-import multiprocessing
 import os
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,6 +101,7 @@ from common.config import with_overrides
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step, float8_speedup
 from engine.dryrun.observe import Observation
 from common.errors import UserError
+from common.workers import imap
 from parallel.mesh import MeshSpec
 
 GIB = 1024 ** 3
@@ -853,17 +852,19 @@ def search_workers(cfg, jobs: int):
     if workers <= 1:
         yield map
         return
-    context = multiprocessing.get_context("spawn")
-    # Ctrl-C reaches every process of the terminal's group: the workers start with it
-    # ignored (an ignored signal stays so in the process a spawn starts), and the launcher
-    # alone handles it, keeping what was found and stopping the pool (launch/run.py).
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # common.workers: Ctrl-C is the launcher's alone (it keeps what was found, launch/run.py),
+    # and a worker that dies (out of memory) is WorkerDied, not a search that waits for good.
+    started = []
+
+    def run(function, tasks):
+        started.append(imap(function, tasks, workers, _start_worker, (cfg,), ordered=False))
+        return started[-1]
+
     try:
-        pool = context.Pool(workers, initializer=_start_worker, initargs=(cfg,))
+        yield run
     finally:
-        signal.signal(signal.SIGINT, previous)
-    with pool:
-        yield lambda function, jobs: pool.imap_unordered(function, jobs)
+        for results in started:
+            results.close()
 
 
 def _start_worker(cfg) -> None:
