@@ -188,12 +188,11 @@ def encoded(stream, workers: int, initargs: tuple):
         init_worker(*initargs, in_pool=False)
         yield from map(encode_job, stream)
         return
-    with closing(imap(encode_job, stream, workers, init_worker, initargs)) as results:
-        try:
-            yield from results
-        except WorkerDied as died:
-            raise UserError(f"{died}; nothing was written. Run again, with fewer --workers if memory is "
-                            f"short.") from None
+    try:
+        yield from imap(encode_job, stream, workers, init_worker, initargs)  # closing this closes it
+    except WorkerDied as died:
+        raise UserError(f"{died}; nothing was written. Run again, with fewer --workers if memory is "
+                        f"short.") from None
 
 
 def plural(count: int, noun: str) -> str:
