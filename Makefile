@@ -61,11 +61,19 @@ test-slow: env
 # lanes keep both cores busy. Each lane prints its slowest blocks, to move one between
 # lanes when a lane runs longer (.ci/run on 2026-12-04: planning's blocks alone 1,312 s,
 # the rest 1,130 s; block 10 took 71 s). The second lane prints as it goes, the first
-# when it is done. With ARGS (a -k of your own, say) one pytest runs what they select.
+# when it is done. With ARGS (a -k of your own, say) one pytest runs what they select;
+# with LANE=first or LANE=rest, one lane alone (.ci/run runs them one after the other).
 DOCS_LANE := planning and not planning.md:10]
+LANE ?=
 test-docs: env
 ifneq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)
+else ifeq ($(LANE),first)
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" --durations=8
+else ifeq ($(LANE),rest)
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "not ($(DOCS_LANE))" --durations=8
+else ifneq ($(strip $(LANE)),)
+	$(error LANE=$(LANE): give LANE=first (the blocks "$(DOCS_LANE)" selects) or LANE=rest, or no LANE for both side by side)
 else
 	@log=$$(mktemp); \
 	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" --durations=8 > $$log 2>&1 & lane=$$!; \

@@ -570,7 +570,8 @@ def test_plan_for_bad_input_is_one_paragraph(args, expected):
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("stop", ["SIGINT to the group", pytest.param("SIGKILL to a worker", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a --plan-for search, twice as long as the main suite's other tests of it
+@pytest.mark.parametrize("stop", ["SIGINT to the group", "SIGKILL to a worker"])
 def test_a_stopped_search_keeps_the_layouts_it_found(tmp_path, stop):
     """Ctrl-C in a long --plan-for, which a terminal sends to the launcher and its search
     workers alike: the report holds each layout simulated so far, ranked, marked

@@ -92,6 +92,10 @@ def test_fault_tolerant_groups_without_a_failure_equal_plain_hsdp(tmp_path):
     assert_equal_to_plain_hsdp(tmp_path, "hsdp=2,dp=2")
 
 
+# Replica groups beside each other dimension, each a plain job and a fault-tolerant one
+# (about 70 s in all): the long drills, so that `make test` stays under 15 minutes; the
+# combination matrix's fault-tolerant rows meet pp, cp, tp and ep too, against one device.
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("mesh,settings", [
     ("pp=2,hsdp=2,tp=2", ("--set", "training.micro_batches=2")),  # every stage's FSDP units average
