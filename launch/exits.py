@@ -84,8 +84,11 @@ def run_agent(torchrun_args: list[str], rank_function=None, preload: tuple[str, 
     from torch.distributed.run import parse_args, run
 
     # The agent's own log lines (rendezvous, "worker group failed", ...) would bury the
-    # ranks' output; what matters of them is reported below.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # ranks' output; what matters of them is reported below. So would the line torch's
+    # process context logs for each rank it stops after the first one failed: the ranks
+    # that were slower to reach the same error (a loaded machine) are stopped, not failed.
+    for agent_logger in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+        logging.getLogger(agent_logger).setLevel(logging.CRITICAL)
     os.environ[LAUNCHED_HERE] = "1"
     args = parse_args(torchrun_args)
     try:

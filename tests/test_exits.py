@@ -77,3 +77,23 @@ def test_cpu_ranks_are_forked_only_where_no_gpu_shows(monkeypatch, gpus, device,
     monkeypatch.setattr(run, "run_agent", agent)
     run.launch_under_torchrun(2, ["--mesh", "dp=2"], device)
     assert (seen["rank"] is run.forked_rank) == forked
+
+
+@pytest.mark.distributed
+def test_a_rank_stopped_after_another_failed_adds_nothing_to_the_paragraph(tmp_path):
+    """Rank 0 fails at once while rank 1 is still working, as when a loaded machine slows
+    one rank on its way to the same error: the agent stops rank 1, and the user still reads
+    the one paragraph, with no log line of torch's about the stopping (in CI a `Terminating
+    process ... via signal SIGTERM` line came first)."""
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text("import os, time\n"
+                      "from launch.exits import leave_error\n"
+                      "from parallel.process_group import exit_without_teardown\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      "    leave_error('error: rank 0 found bad input.')\n"
+                      "    exit_without_teardown(2)\n"
+                      "time.sleep(120)\n")
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "forked_torchrun.py"), "2", str(script)],
+                            cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "error: rank 0 found bad input.\n"
