@@ -59,8 +59,9 @@ test-slow: env
 # a document is split between lanes only where its blocks read nothing of each other's
 # (docs/planning.md's each write their own report). Most blocks run one process, so two
 # lanes keep both cores busy. Each lane prints its slowest blocks, to move one between
-# lanes when a lane runs longer (.ci/run on 2026-12-04: planning's blocks alone 1,312 s,
-# the rest 1,130 s; block 10 took 71 s). The second lane prints as it goes, the first
+# lanes when a lane runs longer (.ci/run on 2026-12-06, one lane after the other beside
+# the other jobs: planning's blocks but block 10, 1,034 s; the rest, 1,302 s, of which
+# block 10 took 72 s). The second lane prints as it goes, the first
 # when it is done. With ARGS (a -k of your own, say) one pytest runs what they select;
 # with LANE=first or LANE=rest, one lane alone (.ci/run runs them one after the other).
 DOCS_LANE := planning and not planning.md:10]

@@ -692,6 +692,41 @@ def test_the_search_bounds_a_mesh_by_its_state_before_simulating_a_step():
         assert state < peak, (mesh, state, peak)
 
 
+def collectives_after_other_layouts(after_others: bool) -> dict:
+    """Rank 0's collectives in a step of the debug mixture of experts at hsdp=2,dp=4,ep=2
+    (8 fake ranks), observed alone in a fresh fake world, or as --plan-for observes it:
+    after the state bound of it and of ep=1 (meshes built, no step recorded) and a step
+    at ep=1, in the same world, whose cached sharding decisions it then reuses."""
+    from common.config import load_config
+    from engine.dryrun.search import Layout, layout_config, observe, state_bytes
+    from launch.run import DEFAULT_CONFIG, plan_depth
+    from parallel.mesh import parse_mesh
+
+    cfg = load_config(DEFAULT_CONFIG, ["model.name=llama_moe", "model.flavor=debug-moe-deep-dense",
+                                       "parallel.plan=llama_moe", "training.global_batch=8", "training.seq_len=64"])
+    depth = plan_depth(cfg)
+    layout, other = (Layout(parse_mesh(mesh).resolve(8), "true", "none", 1)
+                     for mesh in ("hsdp=2,dp=4,ep=2", "hsdp=2,dp=4"))
+    if after_others:
+        state_bytes(cfg, layout, 8, depth)
+        state_bytes(cfg, other, 8, depth)
+        observe(layout_config(cfg, other), other, 8, depth)
+    return observe(layout_config(cfg, layout), layout, 8, depth).comm
+
+
+def test_a_layout_simulated_after_others_in_one_world_names_the_same_collectives():
+    """--plan-for keeps DTensor's sharding decisions from one layout to the next in a fake
+    world (simulate.enter_fake_world), and they hold the earlier layouts' meshes: the
+    collectives they run must still be named by dimension, as in a world of their own
+    (without record.groups_named_in_this_world, the experts' all-reduces were named
+    "group of 2"). Each side in a process of its own (fake process groups)."""
+    from tests.distributed import call_in_own_process
+    alone, after = (call_in_own_process("tests.test_dryrun:collectives_after_other_layouts", flag)
+                    for flag in (False, True))
+    assert any(dim == "edp" for dim in alone), alone
+    assert after == alone
+
+
 def test_plan_for_ends_a_mesh_whose_state_alone_does_not_fit(tmp_path):
     """--plan-for on 4 ranks, 2 to a node, with 19 MB usable: hsdp=2,dp=2, which keeps the
     debug model's parameters and Adam state sharded over 2 ranks only (19.7 MB of them),

@@ -34,7 +34,7 @@ from engine.dryrun import torch_internals
 from common.errors import UserError
 from engine.dryrun.estimate import StepEstimate, device_profile, estimate_step, float8_speedup
 from engine.dryrun.observe import Observation, create_optimizer_state, observe_step
-from engine.dryrun.record import optimizer_bytes, param_bytes
+from engine.dryrun.record import groups_named_in_this_world, optimizer_bytes, param_bytes
 from engine.train import build_optimizer
 
 
@@ -100,13 +100,16 @@ def shards_evenly(model) -> bool:
 
 def enter_fake_world(world_size: int, rank: int) -> None:
     """Be `rank` of a fake world of `world_size` ranks, keeping the current one if it is
-    that already: meshes of any shape can be built in one world (--plan-for does). DTensor's
-    cached sharding decisions are dropped either way: they hold the meshes made before,
-    which compare equal to the new ones, so a new expert parameter took an earlier
-    simulation's ep group, and its gradient's all-reduce was not named ep."""
+    that already: meshes of any shape can be built in one world (--plan-for does). A world
+    kept keeps DTensor's cached sharding decisions too, which spares each simulation after
+    the first most of its sharding propagation (docs/planning.md's 8B --plan-for with
+    dryrun.search_workers=1, 2026-12-06: 45.8 s with the cache dropped between layouts,
+    37.1 s kept). Those decisions hold the meshes
+    made before, which compare equal to a new layout's and name their own groups, still
+    alive in this world; the recorder knows every group of the world by its dimension
+    (record.recording), so a collective on one is named as on the new layout's."""
     if dist.is_initialized():
         if (dist.get_world_size(), dist.get_rank()) == (world_size, rank):
-            torch_internals.clear_sharding_cache()
             return
         dist.destroy_process_group()
     torch_internals.start_fake_world(world_size, rank)
@@ -155,6 +158,7 @@ def _rank_model(cfg, spec, world_size: int, rank: int, n_layers: int = 0, dense_
 
     enter_fake_world(world_size, rank)
     dims = build_mesh(spec, "cpu")
+    groups_named_in_this_world(dims)  # for the later layouts whose cached sharding decisions name them
     model = build_on_meta(cfg.model.name, cfg.model.flavor, n_layers, dense_layers)
     prepare_experts(model, cfg.dryrun.expert_load, spec.ep)
     # A GPU job: float8 linears take the GPU's path (torch._scaled_mm, which fake tensors
