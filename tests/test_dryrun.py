@@ -714,6 +714,7 @@ def collectives_after_other_layouts(after_others: bool) -> dict:
     return observe(layout_config(cfg, layout), layout, 8, depth).comm
 
 
+@pytest.mark.compat  # DTensor's cache and mesh equality are torch's, and change between versions
 def test_a_layout_simulated_after_others_in_one_world_names_the_same_collectives():
     """--plan-for keeps DTensor's sharding decisions from one layout to the next in a fake
     world (simulate.enter_fake_world), and they hold the earlier layouts' meshes: the
