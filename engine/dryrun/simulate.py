@@ -103,11 +103,11 @@ def enter_fake_world(world_size: int, rank: int) -> None:
     that already: meshes of any shape can be built in one world (--plan-for does). A world
     kept keeps DTensor's cached sharding decisions too, which spares each simulation after
     the first most of its sharding propagation (docs/planning.md's 8B --plan-for with
-    dryrun.search_workers=1, 2026-12-06: 45.8 s with the cache dropped between layouts,
-    37.1 s kept). Those decisions hold the meshes
-    made before, which compare equal to a new layout's and name their own groups, still
-    alive in this world; the recorder knows every group of the world by its dimension
-    (record.recording), so a collective on one is named as on the new layout's."""
+    dryrun.search_workers=1, 2026-12-06: 45.4 s wall with the cache dropped between
+    layouts, 38.6 s kept). Those decisions hold the meshes made before, which compare equal to a
+    new layout's and name their own groups, still alive in this world; the recorder knows
+    every group of the world by its dimension (record.groups_named_in_this_world), so a
+    collective on one is named as on the new layout's."""
     if dist.is_initialized():
         if (dist.get_world_size(), dist.get_rank()) == (world_size, rank):
             return
