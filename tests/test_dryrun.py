@@ -692,11 +692,11 @@ def test_the_search_bounds_a_mesh_by_its_state_before_simulating_a_step():
         assert state < peak, (mesh, state, peak)
 
 
-def collectives_after_other_layouts(after_others: bool) -> dict:
-    """Rank 0's collectives in a step of the debug mixture of experts at hsdp=2,dp=4,ep=2
-    (8 fake ranks), observed alone in a fresh fake world, or as --plan-for observes it:
-    after the state bound of it and of ep=1 (meshes built, no step recorded) and a step
-    at ep=1, in the same world, whose cached sharding decisions it then reuses."""
+def collectives_after_other_layouts(mesh: str, earlier: list[str]) -> dict:
+    """Rank 0's collectives in a step of the debug mixture of experts at `mesh` (8 fake
+    ranks), observed as --plan-for observes it: in one fake world, after the state bound
+    of it and of each of `earlier` (meshes built, no step recorded) and a step of each of
+    `earlier`, whose cached sharding decisions it then reuses. With no `earlier`, alone."""
     from common.config import load_config
     from engine.dryrun.search import Layout, layout_config, observe, state_bytes
     from launch.run import DEFAULT_CONFIG, plan_depth
@@ -705,26 +705,33 @@ def collectives_after_other_layouts(after_others: bool) -> dict:
     cfg = load_config(DEFAULT_CONFIG, ["model.name=llama_moe", "model.flavor=debug-moe-deep-dense",
                                        "parallel.plan=llama_moe", "training.global_batch=8", "training.seq_len=64"])
     depth = plan_depth(cfg)
-    layout, other = (Layout(parse_mesh(mesh).resolve(8), "true", "none", 1)
-                     for mesh in ("hsdp=2,dp=4,ep=2", "hsdp=2,dp=4"))
-    if after_others:
+    layout, *others = (Layout(parse_mesh(text).resolve(8), "true", "none", 1) for text in (mesh, *earlier))
+    if others:
         state_bytes(cfg, layout, 8, depth)
+    for other in others:
         state_bytes(cfg, other, 8, depth)
         observe(layout_config(cfg, other), other, 8, depth)
     return observe(layout_config(cfg, layout), layout, 8, depth).comm
 
 
 @pytest.mark.compat  # DTensor's cache and mesh equality are torch's, and change between versions
-def test_a_layout_simulated_after_others_in_one_world_names_the_same_collectives():
+@pytest.mark.parametrize("mesh, earlier, named", [
+    # The experts' all-reduces run on the earlier layout's equal mesh: without
+    # record.groups_named_in_this_world they were named "group of 2".
+    ("hsdp=2,dp=4,ep=2", "hsdp=2,dp=4", "edp"),
+    # dp=8's FSDP runs on the default group, which ep=8 named ep before: a name kept for a
+    # group the layout holds labelled dp=8's all-gathers ep.
+    ("dp=8", "dp=8,ep=8", "dp"),
+], ids=["an-equal-mesh-earlier", "the-world-named-ep-earlier"])
+def test_a_layout_simulated_after_others_in_one_world_names_the_same_collectives(mesh, earlier, named):
     """--plan-for keeps DTensor's sharding decisions from one layout to the next in a fake
     world (simulate.enter_fake_world), and they hold the earlier layouts' meshes: the
-    collectives they run must still be named by dimension, as in a world of their own
-    (without record.groups_named_in_this_world, the experts' all-reduces were named
-    "group of 2"). Each side in a process of its own (fake process groups)."""
+    collectives must still be named by this layout's dimensions, as in a world of their
+    own. Each side in a process of its own (fake process groups)."""
     from tests.distributed import call_in_own_process
-    alone, after = (call_in_own_process("tests.test_dryrun:collectives_after_other_layouts", flag)
-                    for flag in (False, True))
-    assert any(dim == "edp" for dim in alone), alone
+    alone, after = (call_in_own_process("tests.test_dryrun:collectives_after_other_layouts", mesh, others)
+                    for others in ([], [earlier]))
+    assert named in alone, alone
     assert after == alone
 
 

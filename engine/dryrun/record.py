@@ -128,20 +128,31 @@ def named_groups(dims) -> dict[str, str]:
 _NAMED_IN_WORLD: dict = {"world": None, "names": {}}
 
 
+def _own_group_names(dims) -> set[str]:
+    """The names of every group of this layout's meshes."""
+    meshes = (dims.world, dims.fsdp, dims.data, dims.cp, dims.ep, dims.expert_fsdp)
+    return {mesh.get_group(i).group_name for mesh in meshes if mesh is not None for i in range(mesh.ndim)}
+
+
 def groups_named_in_this_world(dims) -> dict[str, str]:
-    """named_groups of `dims` and of every mesh given here before it in this world (the dry
-    run gives each mesh it builds: simulate._rank_model). A search simulates layout after
-    layout in one fake world and keeps DTensor's cached sharding decisions
-    (simulate.enter_fake_world), which hold the meshes an earlier layout built: an op on a
-    mesh equal to an earlier one's runs on the earlier mesh's groups, and without their
-    names here a routing all-reduce over the experts' data ranks was named "group of 16",
-    not edp (4 of 54 layouts of a Mixtral 8x22B search on 128 GPUs). Group names restart
-    with each new world, so the names kept are the current world's only."""
+    """named_groups of `dims`, and of every mesh given here before it in this world for the
+    groups that `dims`'s meshes do not hold (the dry run gives each mesh it builds:
+    simulate._rank_model). A search simulates layout after layout in one fake world and
+    keeps DTensor's cached sharding decisions (simulate.enter_fake_world), which hold the
+    meshes an earlier layout built: an op on a mesh equal to an earlier one's runs on the
+    earlier mesh's groups, and without their names here a routing all-reduce over the
+    experts' data ranks was named "group of 16", not edp (4 of 54 layouts of a Mixtral
+    8x22B search on 128 GPUs). A group this layout holds is named by this layout alone:
+    torch gives every layout the same default group for a dimension over the whole world,
+    which an earlier layout's ep=world named ep, where a later dp=world's FSDP runs on it.
+    Group names restart with each new world, so the names kept are the current world's only."""
     import torch.distributed as dist
     world = dist.group.WORLD
     if _NAMED_IN_WORLD["world"] is not world:
         _NAMED_IN_WORLD.update(world=world, names={})
-    _NAMED_IN_WORLD["names"].update(named_groups(dims))
+    own = _own_group_names(dims)
+    earlier = {name: dim for name, dim in _NAMED_IN_WORLD["names"].items() if name not in own}
+    _NAMED_IN_WORLD["names"] = {**earlier, **named_groups(dims)}
     return dict(_NAMED_IN_WORLD["names"])
 
 
