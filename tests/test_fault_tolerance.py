@@ -239,6 +239,22 @@ def test_goodput_at_meta_failure_rate():
     assert math.isclose(value.fault_tolerant, 1 / (1 + 49.0 / between), rel_tol=1e-12)
     assert math.isclose(value.failures_per_hour, 3600 / between, rel_tol=1e-12)
     assert goodput(16384, 1, 9.5, Config().dryrun).fault_tolerant is None
+    # Every split of Meta's 128 data ranks into groups, the same arithmetic at the same step.
+    splits = goodput(16384, 1, 9.5, Config().dryrun, data_ranks=128).splits
+    assert [count for count, _, _ in splits] == [2, 4, 8, 16, 32, 64, 128]
+    for count, share, lost in splits:
+        assert math.isclose(lost, 9.5 + 2 + 600 / count, rel_tol=1e-12)
+        assert math.isclose(share, 1 / (1 + lost / between), rel_tol=1e-12)
+    assert splits[3][1] == value.fault_tolerant  # hsdp=16, as the layout with hsdp=16 gives it
+
+
+def test_goodput_splits_the_data_ranks_by_powers_of_two_and_all_of_them():
+    from engine.dryrun.goodput import group_counts
+    assert group_counts(1) == []
+    assert group_counts(2) == [2]
+    assert group_counts(6) == [2, 6]
+    assert group_counts(96) == [2, 4, 8, 16, 32, 96]
+    assert group_counts(7) == [7]
 
 
 @pytest.mark.distributed

@@ -42,7 +42,8 @@ def as_dict(result, cfg) -> dict:
 
 def failure_goodput(result, cfg):
     from parallel.mesh import parse_mesh
-    return goodput(result.world_size, parse_mesh(result.mesh).hsdp, result.estimate.step_s, cfg.dryrun)
+    spec = parse_mesh(result.mesh)
+    return goodput(result.world_size, spec.hsdp, result.estimate.step_s, cfg.dryrun, spec.hsdp * spec.dp)
 
 
 def pipeline_dict(result, cfg) -> dict | None:
