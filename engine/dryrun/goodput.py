@@ -53,13 +53,16 @@ def goodput(world_size: int, groups: int, step_s: float, dryrun, data_ranks: int
     per_second = dryrun.gpu_failures_per_day * world_size / 86400
     restart_lost = dryrun.restart_s + dryrun.checkpoint_interval_s / 2
 
-    def lost(count: int) -> float:
+    def share(lost_s: float) -> float:
+        return 1 / (1 + per_second * lost_s)
+
+    def group_lost(count: int) -> float:
         return step_s + HEARTBEAT_S + dryrun.restart_s / count
 
-    splits = [(count, 1 / (1 + per_second * lost(count)), lost(count)) for count in group_counts(data_ranks or 1)]
-    ft_lost = lost(groups) if groups > 1 else None
-    return Goodput(failures_per_hour=per_second * 3600, restart=1 / (1 + per_second * restart_lost),
-                   fault_tolerant=1 / (1 + per_second * ft_lost) if ft_lost is not None else None,
+    splits = [(count, share(group_lost(count)), group_lost(count)) for count in group_counts(data_ranks or 1)]
+    ft_lost = group_lost(groups) if groups > 1 else None
+    return Goodput(failures_per_hour=per_second * 3600, restart=share(restart_lost),
+                   fault_tolerant=share(ft_lost) if ft_lost is not None else None,
                    groups=groups, restart_lost_s=restart_lost, fault_tolerant_lost_s=ft_lost, splits=splits)
 
 
