@@ -330,18 +330,20 @@ def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
 
 
 def expert_placement(experts: nn.Module, shard_ranks: int):
-    """FSDP's placement for an experts module's weights (experts first: each rank's ep share,
-    or all of them without ep):
-    by expert where this rank's experts divide over FSDP's shard ranks, else along each
-    expert's rows. FSDP pads the sharded dimension to a multiple of its ranks, so sharding
-    1 expert by expert over 8 ranks pads it to 8: the first rank holds the whole expert and
-    the others zeros, and every all-gather moves 8 experts' bytes (Mixtral 8x7B at
-    dp=64,ep=8: rank 0 held 21.1 GiB of parameters and rank 63 0.19 GiB of optimizer state,
-    docs/planning.md)."""
-    weight = next(experts.parameters())
-    local = (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
-    placement = Shard(0) if local % shard_ranks == 0 else Shard(1)
-    return lambda param: placement
+    """FSDP's placement for each weight of an experts module (experts first: each rank's ep
+    share, or all of them without ep): by expert where this rank's experts divide over
+    FSDP's shard ranks, else along the first other dimension that divides, else by expert,
+    padded. FSDP pads only its first dimension: sharding 1 expert by expert over 8 ranks
+    pads it to 8, the first rank holds the whole expert and the others zeros, and every
+    all-gather moves 8 experts' bytes (Mixtral 8x7B at dp=64,ep=8: rank 0 held 21.1 GiB
+    of parameters and rank 63 0.19 GiB of optimizer state, docs/planning.md); along any
+    other dimension it refuses what does not divide ("FSDP does not support uneven
+    sharding on dim 1": DeepSeek-V3's w2, 7,168 rows, over 2,048 ranks; debug-moe's 8
+    experts and 256 rows over 3)."""
+    def placement(param) -> Shard:
+        shape = (param.to_local() if isinstance(param, DTensor) else param).shape
+        return Shard(next((dim for dim, size in enumerate(shape) if size % shard_ranks == 0), 0))
+    return placement
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,

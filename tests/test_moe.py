@@ -308,6 +308,26 @@ def test_expert_figures_reach_the_step_log_metrics_and_tensorboard_from_every_st
     assert [e.step for e in events.Scalars("experts/layers.3.feed_forward/max_over_mean")] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("flavor, ranks, expected", [
+    ("mixtral-8x7B", 8, (0, 0)),  # one expert a rank
+    ("mixtral-8x7B", 64, (1, 1)),  # 8 experts over 64: along their rows
+    # DeepSeek-V3's 256 experts over 2,048 ranks: w13's 4,096 rows divide, w2's 7,168 do
+    # not, its 2,048 columns do (--plan-for's dp=2048 failed on it: FSDP refuses an
+    # uneven dimension other than the first).
+    ("deepseek-v3-gqa", 2048, (1, 2)),
+    ("debug-moe", 3, (0, 0)),  # nothing divides by 3: by expert, padded to 9
+])
+def test_each_expert_weight_is_sharded_along_a_dimension_fsdp_can_split(flavor, ranks, expected):
+    """parallel/apply.py: expert_placement, for the weights of one model's experts on meta
+    (no process group): the first dimension that divides over FSDP's ranks, else the
+    first, which FSDP pads (tests/test_parity.py runs the padded case at dp=3)."""
+    from models.moe import Experts
+    from parallel.apply import expert_placement
+    experts = next(m for m in build_on_meta("llama_moe", flavor, 1, 0).modules() if isinstance(m, Experts))
+    placement = expert_placement(experts, ranks)
+    assert tuple(placement(param).dim for param in (experts.w13, experts.w2)) == expected
+
+
 @pytest.mark.parametrize("mesh", ["dp=64,ep=8", "dp=64"])
 def test_experts_that_do_not_divide_over_fsdp_ranks_are_sharded_along_their_rows_not_padded(tmp_path, mesh):
     """Mixtral 8x7B at dp=64,ep=8: each ep rank's one expert over 8 expert-data ranks; at

@@ -65,6 +65,11 @@ MATRIX = {
     # Without ep, the 2 experts sharded with their block over 4 ranks, along their rows.
     "moe-expert-rows-sharded-without-ep": ("dp=4", ("model.name=llama_moe", "model.flavor=debug-moe-2",
                                                     "parallel.plan=llama_moe", "parity.layers=2")),
+    # 8 experts of 256 rows and columns over 3 ranks: no dimension divides, so FSDP pads
+    # them by expert to 9 (along any other dimension it refused them, and every rank failed).
+    "moe-experts-divide-over-nothing": ("dp=3", ("model.name=llama_moe", "model.flavor=debug-moe",
+                                                 "parallel.plan=llama_moe", "parity.layers=2",
+                                                 "training.global_batch=12")),
 }
 
 
