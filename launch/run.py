@@ -518,7 +518,7 @@ def plan_layouts(args: argparse.Namespace) -> int:
     keep(outcomes, complete=True)
     if report:
         print(f"report -> {report}")
-    return EXIT_OK
+    return EXIT_FAILED if any(o.error for o in outcomes) else EXIT_OK
 
 
 def plan_depth(cfg) -> int:

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from parallel.mesh import parse_mesh
-from tests.distributed import launcher, selected
+from tests.distributed import call_in_own_process, launcher, selected
 from tests.dryrun_worker import measure_and_predict
 
 WORLD = 4
@@ -209,7 +209,6 @@ def test_the_memory_tracker_lets_a_received_input_go_after_its_backward():
     every micro-batch's received activations stayed to the step's end in an observed
     pipeline step, where a run without the tracker frees them at their backward
     (torch_internals._module_hooks_released_after_use)."""
-    from tests.distributed import call_in_own_process
     assert call_in_own_process("tests.test_dryrun:received_input_outlives_its_backward") is False
 
 
@@ -248,7 +247,6 @@ def test_a_simulated_send_keeps_its_tensor_as_long_as_its_work():
     the fake group's Works hold nothing, so the dry run left out every gradient a stage
     sent backward (bench/dryrun_validation.py's Interleaved1F1B row: 21.58 MiB predicted,
     21.96 measured; with the Works holding them, 21.96 both)."""
-    from tests.distributed import call_in_own_process
     assert call_in_own_process("tests.test_dryrun:sent_tensor_lives_with_its_work", False) == [False, False]
     assert call_in_own_process("tests.test_dryrun:sent_tensor_lives_with_its_work", True) == [True, False]
 
@@ -684,7 +682,6 @@ def test_the_search_bounds_a_mesh_by_its_state_before_simulating_a_step():
     parameter and optimizer bytes its step holds, to the byte, for plain FSDP, tp with
     sequence parallelism, and experts with ep and dense leading blocks under HSDP; and
     it is below each step's peak (fake process group, in a process of its own)."""
-    from tests.distributed import call_in_own_process
     found = call_in_own_process("tests.test_dryrun:state_bound_against_the_step")
     assert len(found) == len(STATE_BOUND_LAYOUTS), found
     for (mesh, _), (bound, state, peak) in zip(STATE_BOUND_LAYOUTS, found):
@@ -728,7 +725,6 @@ def test_a_layout_simulated_after_others_in_one_world_names_the_same_collectives
     world (simulate.enter_fake_world), and they hold the earlier layouts' meshes: the
     collectives must still be named by this layout's dimensions, as in a world of their
     own. Each side in a process of its own (fake process groups)."""
-    from tests.distributed import call_in_own_process
     alone, after = (call_in_own_process("tests.test_dryrun:collectives_after_other_layouts", mesh, others)
                     for others in ([], [earlier]))
     assert named in alone, alone
@@ -753,6 +749,48 @@ def test_plan_for_ends_a_mesh_whose_state_alone_does_not_fit(tmp_path):
     (row,) = ended["hsdp=2,dp=2"]
     assert not row["fits"] and row["peak_bytes"] > usable, row
     assert any(layout["fits"] and layout["simulated"] for layout in by_mesh["dp=2,tp=2"]), by_mesh
+
+
+def test_plan_for_goes_on_past_a_layout_that_raises(tmp_path):
+    """A layout whose simulation raises (2026-12-07: FSDP refused DeepSeek's experts at
+    dp=2048 after 99 minutes of search, and the error ended the search): --plan-for reports
+    it as "fail" with the error, leaves its mesh at the second layout with that error,
+    searches the other meshes, writes them all to the report and exits 1. Here every layout
+    without tp raises, in a search of 2 fake ranks in a process of its own."""
+    report = tmp_path / "plan.json"
+    found = call_in_own_process("tests.test_dryrun:search_where_layouts_without_tp_raise", str(report))
+    assert found["code"] == 1, found["stdout"][-3000:]
+    layouts = json.loads(report.read_text())["layouts"]
+    failed = [layout for layout in layouts if layout["error"]]
+    assert [layout["mesh"] for layout in failed] == ["dp=2", "dp=2"], layouts
+    assert all(layout["error"] == "NotImplementedError: a bug met only without tp" and not layout["fits"]
+               for layout in failed)
+    assert any(layout["fits"] and layout["mesh"] == "tp=2" for layout in layouts), layouts  # searched after dp=2
+    assert found["stdout"].count("  fail  --mesh dp=2") == 2, found["stdout"][-3000:]
+    assert "2 layout(s) raised an error when simulated" in found["stdout"], found["stdout"][-3000:]
+
+
+def search_where_layouts_without_tp_raise(report: str) -> dict:
+    import contextlib
+    import io
+
+    from engine.dryrun import search
+    from launch.run import main
+
+    simulate = search.evaluate_layout
+
+    def raising_without_tp(cfg, layout, *args, **kwargs):
+        if layout.spec.tp == 1:
+            raise NotImplementedError("a bug met only without tp")
+        return simulate(cfg, layout, *args, **kwargs)
+
+    search.evaluate_layout = raising_without_tp
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--plan-for", "--world", "2", "--set", "training.seq_len=64", "--set", "training.global_batch=8",
+                     "--set", "dryrun.gpu_memory_gib=0.05", "--set", "dryrun.pp=1", "--set",
+                     "dryrun.search_workers=1", "--set", f"dryrun.report={report}"])
+    return {"code": code, "stdout": printed.getvalue()}
 
 
 RECOMPUTE_MESHES = ["dp=4", "pp=2,dp=2"]  # the debug model's 4 blocks: one part of 4, or 2 stages of 2
@@ -804,7 +842,6 @@ def test_a_simulated_step_refuses_a_batch_that_does_not_divide_over_the_data_ran
     """The launcher refuses such a batch; simulate's other callers (the search, the tests'
     workers) get the real step's error, not a step observed on 0 rows per rank (fake
     process group, in a process of its own)."""
-    from tests.distributed import call_in_own_process
     error = call_in_own_process("tests.test_dryrun:simulated_error_for_a_batch_smaller_than_the_data_ranks")
     assert error == ("training.global_batch=2 does not divide over 4 data-parallel ranks (hsdp x dp). "
                      "Use a multiple of 4.")
@@ -816,7 +853,6 @@ def test_full_and_selective_ac_cost_the_forward_of_the_blocks_they_checkpoint():
     checkpoint_every-th (2) of each stage with `selective`, none with `op` (counted free);
     the dry run and the search agree (fake process group, in a process of its own)."""
     from models import build_on_meta
-    from tests.distributed import call_in_own_process
     found = call_in_own_process("tests.test_dryrun:recompute_costs")
     block = build_on_meta("llama", "debug").layers["0"]
     block_flops = 6 * sum(p.numel() for p in block.parameters()) + 12 * block.attention.wq.in_features * 64

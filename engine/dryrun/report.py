@@ -171,6 +171,9 @@ def _stage_roles(result, cfg, scale: int, unit: str) -> list[str]:
 def render_outcome(outcome) -> str:
     """One searched layout, as it is simulated: the progress of --plan-for."""
     peak = f"peak {outcome.peak_bytes / GIB:6.1f} GiB"
+    if outcome.error:
+        return (f"  fail  {outcome.layout.command_line()}\n        {outcome.reason}: "
+                f"{outcome.error.splitlines()[0]}")
     if outcome.estimate is None:
         return f"  {'drop' if outcome.simulated else 'skip'}  {outcome.layout.command_line()}\n        {outcome.reason}"
     e = outcome.estimate
@@ -196,8 +199,17 @@ def render_plan(cfg, world: int, depth: int, outcomes, user_overrides=()) -> str
                 f"(docs/planning.md){pipelines}")
     fits = [o for o in outcomes if o.estimate is not None]
     skipped = sum(not o.simulated for o in outcomes)
-    lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, {len(outcomes) - len(fits) - skipped} do not"
-                 + (f", {skipped} left out as no faster than one that fits" if skipped else "")]
+    failed = [o for o in outcomes if o.error]
+    lines = ["", f"searched {len(outcomes)} layouts: {len(fits)} fit, "
+                 f"{len(outcomes) - len(fits) - skipped - len(failed)} do not"
+                 + (f", {skipped} left out as no faster than one that fits" if skipped else "")
+                 + (f", {len(failed)} could not be simulated" if failed else "")]
+    if failed:
+        lines.append(f"{len(failed)} layout(s) raised an error when simulated (first: "
+                     f"{failed[0].error.splitlines()[0]}), and a mesh whose layouts raised the same error twice "
+                     f"was left there, so the ranking below may miss a faster layout. That is a bug, in the engine "
+                     f"or in a model or plan of your own, not a layout that does not fit: for its traceback, rerun "
+                     f"a \"fail\" line above alone with --dry-run --world {world}.")
     if not fits:
         lines.append("none fits: use more GPUs, a shorter training.seq_len or a smaller training.global_batch")
         return "\n".join(lines)
@@ -218,7 +230,7 @@ def write_plan_json(outcomes, cfg, world: int, path: str, complete: bool = True)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     layouts = [{"mesh": str(o.layout.spec), "overrides": o.layout.overrides(), "fits": o.estimate is not None,
-                "peak_bytes": o.peak_bytes, "reason": o.reason, "simulated": o.simulated,
+                "peak_bytes": o.peak_bytes, "reason": o.reason, "simulated": o.simulated, "error": o.error,
                 "step": o.estimate.as_dict() if o.estimate else None}
                for o in outcomes]
     written = target.with_name(target.name + ".partial")

@@ -153,6 +153,7 @@ class Outcome:
     estimate: StepEstimate | None  # None when it does not fit, or was not simulated
     reason: str = ""
     simulated: bool = True  # False: left out, as it cannot be faster than a layout that fits (search_job)
+    error: str = ""  # what the simulation raised, where it could not be simulated (search_job)
 
 
 def evaluate_layout(cfg, layout: Layout, world: int, depth: int, fpt: float, profile, usable: float,
@@ -708,7 +709,9 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
       16,384 GPUs such probes were a fifth of the search. Not across counts: without pp,
       more micro-batches hold the whole model's unreduced gradients.)
     `probe(layout)` is an outcome, or None where it found only that part of the layout
-    fits (search_job's: the first stage role of a pipeline); `evaluate` by default."""
+    fits (search_job's: the first stage role of a pipeline); `evaluate` by default.
+    A layout that could not be simulated (Outcome.error) is reported, and tells nothing of
+    the others: the ladder goes on past it, up to a second layout with the same error."""
     probe = probe or evaluate
     outcomes, probed = [], {}  # memory_key of a layout probed -> its outcome, or None
     lighter_fits = False  # a lighter layout probed has fit (or its first role has)
@@ -720,6 +723,9 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
         if other is None or other <= position or key in probed:
             return None
         probed[key] = probe(ladder[other])
+        if probed[key] is not None and probed[key].error:
+            outcomes.append(probed[key])
+            return None
         if probed[key] is not None and probed[key].estimate is None:
             outcomes.append(probed[key])
             beyond[key] = probed[key]
@@ -727,6 +733,8 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
         return False
 
     for position, layout in enumerate(ladder):
+        if repeated_error(outcomes):  # a probe's
+            return outcomes
         key = memory_key(layout)
         full = ("full", False, layout.micro_batches)
         lighter = lighter_key(layout)
@@ -741,12 +749,23 @@ def first_fit(ladder: list[Layout], evaluate, beyond: dict[tuple, Outcome], prob
         failed_at_count = sum(micro == layout.micro_batches for _, _, micro in beyond) >= 2
         if failed_at_count and probe_first(full, position):
             continue
+        if key in probed and probed[key] is not None and probed[key].error:
+            continue  # reported where it was probed
         outcome = probed.get(key) or evaluate(layout)
         outcomes.append(outcome)
-        if outcome.estimate is not None:
+        if outcome.estimate is not None or repeated_error(outcomes):
             return outcomes
-        beyond[key] = outcome
+        if not outcome.error:  # one that failed says nothing of what fits
+            beyond[key] = outcome
     return outcomes
+
+
+def repeated_error(outcomes: list[Outcome]) -> bool:
+    """Whether two layouts raised the same error: then the rest of their mesh most likely
+    would too, and search_job leaves it (an error after the model is built costs as much as
+    a simulation)."""
+    errors = [o.error for o in outcomes if o.error]
+    return len(errors) > len(set(errors))
 
 
 def plan_for(cfg, world: int, depth: int, fpt: float, report=print) -> list[Outcome]:
@@ -803,8 +822,11 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
     roles_seen = collections.defaultdict(dict)  # a layout's command line -> its stage roles simulated
 
     def evaluate(layout: Layout, first_role_only: bool = False) -> Outcome | None:
-        return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable, roles_seen[layout.command_line()],
-                               first_role_only)
+        try:
+            return evaluate_layout(cfg, layout, world, depth, fpt, profile, usable,
+                                   roles_seen[layout.command_line()], first_role_only)
+        except Exception as err:  # an engine bug in one layout: the search goes on, and says so (launch/run.py)
+            return failed(layout, err)
 
     outcomes, beyond = [], {}
     rows = cfg.training.global_batch // (spec.hsdp * spec.dp)
@@ -813,7 +835,10 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
         (ladder,) = ladders(spec, settings[0], sequence_parallel, rows)
         least = next((layout for layout in ladder if layout.activation_checkpoint == "full"
                       and runnable(cfg, layout, depth)), None)
-        state = state_bytes(cfg, least, world, depth) if least else 0
+        try:
+            state = state_bytes(cfg, least, world, depth) if least else 0
+        except Exception as err:  # every layout of the mesh would meet it
+            return index, [failed(least, err, "no layout of this mesh could be simulated")]
         if state > usable:
             return index, [Outcome(least, state, None,
                                    f"parameters and optimizer state alone {state / GIB:.1f} GiB > {usable / GIB:.1f} "
@@ -823,11 +848,19 @@ def search_job(cfg, world: int, depth: int, fpt: float, job: tuple) -> tuple[int
         found = first_fit([layout for layout in ladder if runnable(cfg, layout, depth)], evaluate, beyond,
                           probe=functools.partial(evaluate, first_role_only=True))
         outcomes += found
+        if repeated_error(outcomes):
+            break
         fit = next((o for o in found if o.estimate is not None), None)
         if fit is not None and fit.estimate.overlapped_s <= fit.estimate.compute_s:
             outcomes += [dominated(fit, later) for later in settings[position + 1:]]
             break
     return index, outcomes
+
+
+def failed(layout: Layout, err: Exception, reason: str = "could not be simulated") -> Outcome:
+    """A layout whose simulation raised: a bug of the engine's, kept in the search's report
+    rather than ending a search that may have run for an hour."""
+    return Outcome(layout, 0, None, reason, error=f"{type(err).__name__}: {err}".strip())
 
 
 def dominated(fit: Outcome, reshard: str) -> Outcome:
