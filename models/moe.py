@@ -81,7 +81,7 @@ FLAVORS = {
 FLAVORS["debug-moe-mixtral"] = dataclasses.replace(FLAVORS["debug-moe"], shared_hidden=0)
 FLAVORS["debug-moe-sigmoid"] = dataclasses.replace(FLAVORS["debug-moe"], router="sigmoid", dense_layers=1)
 # 2 experts, top 1, the sigmoid router: at dp=4,ep=2 each rank's one expert is sharded by
-# FSDP over 2 ranks along its rows (parallel/apply.py: expert_placement).
+# FSDP over 2 ranks along its rows (parallel/expert.py: expert_placement).
 FLAVORS["debug-moe-2"] = dataclasses.replace(FLAVORS["debug-moe"], n_experts=2, top_k=1, router="sigmoid")
 # 8 blocks, as the dense debug-deep: a pipeline of 2 stages per rank with an uneven split.
 FLAVORS["debug-moe-deep"] = dataclasses.replace(FLAVORS["debug-moe"], n_layers=8)

@@ -40,7 +40,7 @@ from common.config import ParallelConfig
 from parallel.context import apply_context_parallel
 from parallel.embedding import vocab_parallel_styles
 from parallel.recompute import free_until_backward, recomputable
-from parallel.expert import apply_expert_parallel, expert_paths as all_expert_paths
+from parallel.expert import apply_expert_parallel, expert_paths as all_expert_paths, expert_placement
 from parallel.float8 import check_shapes, convert_to_float8, float8_linears
 from parallel.mesh import ParallelDims
 from parallel.pipeline import ZERO_BUBBLE, build_pipeline, join_parts, split_into_parts
@@ -327,23 +327,6 @@ def shard_experts(dims: ParallelDims, options: ParallelConfig) -> bool:
     fault-tolerant replica groups FSDP takes them over one rank too: its all-reduce hook is
     where their gradients are averaged across the groups (step 7)."""
     return dims.spec.ep > 1 and (dims.expert_fsdp.size() > 1 or options.offload or dims.replicas is not None)
-
-
-def expert_placement(experts: nn.Module, shard_ranks: int):
-    """FSDP's placement for each weight of an experts module (experts first: each rank's ep
-    share, or all of them without ep): by expert where this rank's experts divide over
-    FSDP's shard ranks, else along the first other dimension that divides, else by expert,
-    padded. FSDP pads only its first dimension: sharding 1 expert by expert over 8 ranks
-    pads it to 8, the first rank holds the whole expert and the others zeros, and every
-    all-gather moves 8 experts' bytes (Mixtral 8x7B at dp=64,ep=8: rank 0 held 21.1 GiB
-    of parameters and rank 63 0.19 GiB of optimizer state, docs/planning.md); along any
-    other dimension it refuses what does not divide ("FSDP does not support uneven
-    sharding on dim 1": DeepSeek-V3's w2, 7,168 rows, over 2,048 ranks; debug-moe's 8
-    experts and 256 rows over 3)."""
-    def placement(param) -> Shard:
-        shape = (param.to_local() if isinstance(param, DTensor) else param).shape
-        return Shard(next((dim for dim, size in enumerate(shape) if size % shard_ranks == 0), 0))
-    return placement
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, options: ParallelConfig,

@@ -111,6 +111,23 @@ def expert_paths(model: nn.Module, plan: Plan) -> list[str]:
     return expand(model, plan.experts, plan.name) if plan.experts else []
 
 
+def expert_placement(experts: nn.Module, shard_ranks: int):
+    """FSDP's placement for each weight of an experts module (experts first: each rank's ep
+    share, or all of them without ep): by expert where this rank's experts divide over
+    FSDP's shard ranks, else along the first other dimension that divides, else by expert,
+    padded. FSDP pads only its first dimension: sharding 1 expert by expert over 8 ranks
+    pads it to 8, the first rank holds the whole expert and the others zeros, and every
+    all-gather moves 8 experts' bytes (Mixtral 8x7B at dp=64,ep=8: rank 0 held 21.1 GiB
+    of parameters and rank 63 0.19 GiB of optimizer state, docs/planning.md); along any
+    other dimension it refuses what does not divide ("FSDP does not support uneven
+    sharding on dim 1": DeepSeek-V3's w2, 7,168 rows, over 2,048 ranks; debug-moe's 8
+    experts and 256 rows over 3)."""
+    def placement(param) -> Shard:
+        shape = (param.to_local() if isinstance(param, DTensor) else param).shape
+        return Shard(next((dim for dim, size in enumerate(shape) if size % shard_ranks == 0), 0))
+    return placement
+
+
 def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, reshard, shard_ranks: int) -> None:
     """Refuse ep where it cannot split, before any process group (exit 2). `reshard`: the
     blocks' resolved reshard_after_forward; `shard_ranks`: FSDP's (dp x cp)."""
@@ -137,19 +154,23 @@ def check_expert_parallel(model: nn.Module, plan: Plan, ep: int, dp: int, reshar
 
 
 def check_unsplit_experts(model: nn.Module, plan: Plan, reshard, shard_ranks: int) -> None:
-    """Without ep, experts that do not divide over FSDP's ranks are sharded along their rows
-    (parallel/apply.py: expert_placement), which torch's FSDP reshards after forward to
-    true or false only: an integer reshard fails in backward (torch 2.13: an IndexError in
-    FSDP's all-gather copy-out)."""
+    """Without ep, experts whose weights FSDP shards along a dimension other than the
+    first (expert_placement: the experts do not divide over its ranks, and the rows do)
+    reshard after forward to true or false only: torch's FSDP fails an integer reshard of
+    them in backward (torch 2.13: an IndexError in its all-gather copy-out). Sharded by
+    expert, padded or not, they take one (debug-moe at dp=6 with reshard 2: --parity PASS,
+    2026-12-07)."""
     if isinstance(reshard, bool):
         return
     for path in expert_paths(model, plan):
-        n_experts = model.get_submodule(path).w13.shape[0]
-        if n_experts % shard_ranks:
+        experts = model.get_submodule(path)
+        placement = expert_placement(experts, shard_ranks)
+        if any(placement(param).dim != 0 for param in experts.parameters(recurse=False)):
             raise UserError(f"reshard_after_forward={reshard} (an integer reshard) does not run with experts that "
-                            f"FSDP shards along their rows: the {n_experts} experts of {path} do not divide over its "
-                            f"{shard_ranks} ranks (dp x cp). Set parallel.reshard_after_forward to true or false, or "
-                            f"add ep to --mesh (a divisor of {n_experts} and of dp).")
+                            f"FSDP shards along their rows: the {experts.w13.shape[0]} experts of {path} do not "
+                            f"divide over its {shard_ranks} ranks (dp x cp), and their rows do. Set "
+                            f"parallel.reshard_after_forward to true or false, or add ep to --mesh (a divisor of "
+                            f"{experts.w13.shape[0]} and of dp).")
 
 
 def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh, compute_dtype: torch.dtype | None = None) -> list[str]:

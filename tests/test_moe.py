@@ -8,6 +8,7 @@ parity on meshes is the combination matrix's (tests/combinations.py, factor "exp
 and tests/test_parity.py's "moe-*" rows."""
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -243,7 +244,7 @@ MOE_ARGS = ("--set", "model.name=llama_moe", "--set", "model.flavor=debug-moe", 
 @pytest.mark.distributed
 @pytest.mark.parametrize("flavor, loaded_on", [
     ("debug-moe", ("dp=4,ep=4", "dp=2")),
-    # Saved with each rank's one expert sharded along its rows (parallel/apply.py:
+    # Saved with each rank's one expert sharded along its rows (parallel/expert.py:
     # expert_placement), loaded where the experts stay whole ep shards, out of FSDP.
     ("debug-moe-2", ("dp=2,ep=2",)),
 ])
@@ -315,23 +316,42 @@ def test_expert_figures_reach_the_step_log_metrics_and_tensorboard_from_every_st
     # not, its 2,048 columns do (--plan-for's dp=2048 failed on it: FSDP refuses an
     # uneven dimension other than the first).
     ("deepseek-v3-gqa", 2048, (1, 2)),
-    ("debug-moe", 3, (0, 0)),  # nothing divides by 3: by expert, padded to 9
+    ("debug-moe", 6, (0, 0)),  # nothing divides by 6: by expert, padded to 12
 ])
 def test_each_expert_weight_is_sharded_along_a_dimension_fsdp_can_split(flavor, ranks, expected):
-    """parallel/apply.py: expert_placement, for the weights of one model's experts on meta
+    """parallel/expert.py: expert_placement, for the weights of one model's experts on meta
     (no process group): the first dimension that divides over FSDP's ranks, else the
-    first, which FSDP pads (tests/test_parity.py runs the padded case at dp=3)."""
+    first, which FSDP pads (tests/test_parity.py runs the padded case at dp=6)."""
     from models.moe import Experts
-    from parallel.apply import expert_placement
+    from parallel.expert import expert_placement
     experts = next(m for m in build_on_meta("llama_moe", flavor, 1, 0).modules() if isinstance(m, Experts))
     placement = expert_placement(experts, ranks)
     assert tuple(placement(param).dim for param in (experts.w13, experts.w2)) == expected
 
 
+@pytest.mark.parametrize("flavor, ranks, refused", [
+    ("mixtral-8x7B", 16, True),  # 8 experts over 16: along their rows
+    ("mixtral-8x7B", 8, False),  # by expert
+    ("debug-moe", 6, False),  # by expert, padded to 12
+])
+def test_an_integer_reshard_is_refused_only_for_experts_placed_along_another_dimension(flavor, ranks, refused):
+    """parallel/expert.py: check_unsplit_experts, on meta: FSDP fails an integer reshard of
+    a weight sharded along its rows in backward, not of one sharded by expert, padded or
+    not (tests/test_parity.py's dp=6 case runs that one with reshard_after_forward=2)."""
+    from parallel.expert import check_unsplit_experts
+    model = build_on_meta("llama_moe", flavor, 1, 0)
+    check = functools.partial(check_unsplit_experts, model, get_plan("llama_moe"), 2, ranks)
+    if refused:
+        with pytest.raises(UserError, match="does not run with experts that FSDP shards along their rows"):
+            check()
+    else:
+        check()
+
+
 @pytest.mark.parametrize("mesh", ["dp=64,ep=8", "dp=64"])
 def test_experts_that_do_not_divide_over_fsdp_ranks_are_sharded_along_their_rows_not_padded(tmp_path, mesh):
     """Mixtral 8x7B at dp=64,ep=8: each ep rank's one expert over 8 expert-data ranks; at
-    dp=64 without ep, 8 experts over 64 ranks (parallel/apply.py: expert_placement). The
+    dp=64 without ep, 8 experts over 64 ranks (parallel/expert.py: expert_placement). The
     dry run (torch's fake process group) counts what each rank holds and gathers: by
     expert, FSDP padded the experts to one per rank. With ep, rank 0 held 21.1 GiB of
     parameters and rank 63 0.19 GiB of optimizer state, and each all-gather moved 8

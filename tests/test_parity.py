@@ -59,17 +59,19 @@ MATRIX = {
     "moe-ep4-compiled": ("dp=4,ep=4", (*MOE_SHALLOW, "parallel.compile=true", "parallel.activation_checkpoint=selective",
                                        "parallel.param_dtype=bfloat16")),
     # One expert per ep rank, sharded by FSDP over the 2 others along its rows, not padded
-    # to 2 experts (parallel/apply.py: expert_placement).
+    # to 2 experts (parallel/expert.py: expert_placement).
     "moe-expert-rows-sharded": ("dp=4,ep=2", ("model.name=llama_moe", "model.flavor=debug-moe-2",
                                               "parallel.plan=llama_moe", "parity.layers=2")),
     # Without ep, the 2 experts sharded with their block over 4 ranks, along their rows.
     "moe-expert-rows-sharded-without-ep": ("dp=4", ("model.name=llama_moe", "model.flavor=debug-moe-2",
                                                     "parallel.plan=llama_moe", "parity.layers=2")),
-    # 8 experts of 256 rows and columns over 3 ranks: no dimension divides, so FSDP pads
-    # them by expert to 9 (along any other dimension it refused them, and every rank failed).
-    "moe-experts-divide-over-nothing": ("dp=3", ("model.name=llama_moe", "model.flavor=debug-moe",
+    # 8 experts of 256 rows and columns over 6 ranks: no dimension divides, so FSDP pads
+    # them by expert to 12 (along any other dimension it refused them, and every rank
+    # failed), and sharded by expert they take an integer reshard (parallel/expert.py:
+    # check_unsplit_experts).
+    "moe-experts-divide-over-nothing": ("dp=6", ("model.name=llama_moe", "model.flavor=debug-moe",
                                                  "parallel.plan=llama_moe", "parity.layers=2",
-                                                 "training.global_batch=12")),
+                                                 "training.global_batch=12", "parallel.reshard_after_forward=2")),
 }
 
 
