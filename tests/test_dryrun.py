@@ -755,39 +755,50 @@ def test_plan_for_goes_on_past_a_layout_that_raises(tmp_path):
     """A layout whose simulation raises (2026-12-07: FSDP refused DeepSeek's experts at
     dp=2048 after 99 minutes of search, and the error ended the search): --plan-for reports
     it as "fail" with the error, leaves its mesh at the second layout with that error,
-    searches the other meshes, writes them all to the report and exits 1. Here every layout
-    without tp raises, in a search of 2 fake ranks in a process of its own."""
+    searches the other meshes, writes them all to the report and exits 1. Here, in a
+    search of 4 fake ranks in a process of its own, every layout of dp=4 (the first mesh
+    searched) raises, and tp=4 (the last) raises where its state is counted, before any
+    layout (search_job's bound)."""
     report = tmp_path / "plan.json"
-    found = call_in_own_process("tests.test_dryrun:search_where_layouts_without_tp_raise", str(report))
+    found = call_in_own_process("tests.test_dryrun:search_where_some_meshes_raise", str(report))
     assert found["code"] == 1, found["stdout"][-3000:]
     layouts = json.loads(report.read_text())["layouts"]
-    failed = [layout for layout in layouts if layout["error"]]
-    assert [layout["mesh"] for layout in failed] == ["dp=2", "dp=2"], layouts
-    assert all(layout["error"] == "NotImplementedError: a bug met only without tp" and not layout["fits"]
-               for layout in failed)
-    assert any(layout["fits"] and layout["mesh"] == "tp=2" for layout in layouts), layouts  # searched after dp=2
-    assert found["stdout"].count("  fail  --mesh dp=2") == 2, found["stdout"][-3000:]
-    assert "2 layout(s) raised an error when simulated" in found["stdout"], found["stdout"][-3000:]
+    failed = {}
+    for layout in layouts:
+        if layout["error"]:
+            assert not layout["fits"], layout
+            failed.setdefault(layout["mesh"], []).append((layout["error"], layout["reason"]))
+    assert failed == {"dp=4": [("NotImplementedError: a bug met in a step at dp=4", "could not be simulated")] * 2,
+                      "tp=4": [("NotImplementedError: a bug met in the state at tp=4",
+                                "no layout of this mesh could be simulated")]}, failed
+    assert any(layout["fits"] and layout["mesh"] == "dp=2,tp=2" for layout in layouts), layouts
+    assert found["stdout"].count("  fail  --mesh dp=4") == 2, found["stdout"][-3000:]
+    assert "3 layout(s) raised an error when simulated" in found["stdout"], found["stdout"][-3000:]
 
 
-def search_where_layouts_without_tp_raise(report: str) -> dict:
+def search_where_some_meshes_raise(report: str) -> dict:
     import contextlib
     import io
 
     from engine.dryrun import search
     from launch.run import main
 
-    simulate = search.evaluate_layout
+    simulate, count_state = search.evaluate_layout, search.state_bytes
 
-    def raising_without_tp(cfg, layout, *args, **kwargs):
-        if layout.spec.tp == 1:
-            raise NotImplementedError("a bug met only without tp")
+    def raising_at_dp4(cfg, layout, *args, **kwargs):
+        if str(layout.spec) == "dp=4":
+            raise NotImplementedError("a bug met in a step at dp=4")
         return simulate(cfg, layout, *args, **kwargs)
 
-    search.evaluate_layout = raising_without_tp
+    def raising_at_tp4(cfg, layout, *args, **kwargs):
+        if str(layout.spec) == "tp=4":
+            raise NotImplementedError("a bug met in the state at tp=4")
+        return count_state(cfg, layout, *args, **kwargs)
+
+    search.evaluate_layout, search.state_bytes = raising_at_dp4, raising_at_tp4
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["--plan-for", "--world", "2", "--set", "training.seq_len=64", "--set", "training.global_batch=8",
+        code = main(["--plan-for", "--world", "4", "--set", "training.seq_len=64", "--set", "training.global_batch=8",
                      "--set", "dryrun.gpu_memory_gib=0.05", "--set", "dryrun.pp=1", "--set",
                      "dryrun.search_workers=1", "--set", f"dryrun.report={report}"])
     return {"code": code, "stdout": printed.getvalue()}
