@@ -438,8 +438,8 @@ def test_plan_for_extrapolation_matches_a_full_depth_simulation(tmp_path):
 
     layouts = tmp_path / "layouts.json"
     layouts.write_text(json.dumps(EXTRAPOLATED))
-    # The timeout only guards against a hang: .ci/run runs this beside the main suite, and
-    # on a loaded 2-core machine the 11 layouts took more than 600 s (2026-12-03).
+    # The timeout only guards against a hang: on a loaded 2-core machine the 11 layouts
+    # took more than 600 s (2026-12-03; 659 s beside the main suite on 2026-12-07).
     result = subprocess.run([sys.executable, str(REPO / "tests" / "dryrun_worker.py"), "extrapolation",
                              str(layouts), str(tmp_path)], cwd=REPO, env=cpu_env(), capture_output=True,
                             text=True, timeout=1800)
