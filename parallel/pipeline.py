@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from common.errors import UserError
@@ -48,15 +48,18 @@ SCHEDULES = {
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    # DeepSeek-V3's DualPipe in its V form: ZBV's stages and split backward, with one
+    # micro-batch's forward run beside another's backward in its steady state.
+    "DualPipeV": ScheduleDualPipeV,
 }
 SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank; the others loop over several
-V_SHAPED = ("ZBVZeroBubble",)
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 # Split the backward into input and weight gradients. torch finds a stage's weights in the
 # autograd graph by the module's registered parameters; a block resharded after forward
 # has its sharded parameters registered there, not the gathered ones the graph used, and
 # the weight gradients came out wrong (the parity check measured 9% off in the grad norm
 # at pp=2 with reshard_after_forward=true; PASS with false). So these need it false.
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 DOCS = "docs/parallelism.md, \"Pipeline parallel\""
 
 
@@ -189,6 +192,8 @@ def micro_batches_needed(schedule: str, pp: int, per_rank: int, micro_batches: i
     """Why torch's schedule would refuse this many micro-batches, or "" when it runs them."""
     if schedule == "1F1B" and micro_batches < pp:
         return f"at least one per stage, {pp}"
+    if schedule == "DualPipeV" and micro_batches < 2 * pp:
+        return f"at least one per stage, {2 * pp} (2 stages on each of pp={pp} ranks)"
     rounds = max(1, micro_batches // pp)
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and micro_batches % rounds:
         return f"rounds of pp={pp} micro-batches, so a multiple of {rounds} (training.micro_batches // pp)"
