@@ -61,28 +61,24 @@ test-slow: env
 # lanes keep both cores busy. Each lane prints its slowest blocks, to move one between
 # lanes when a lane runs longer. The second lane prints as it goes, the first when it is
 # done. With ARGS (a -k of your own, say) one pytest runs what they select; with
-# LANE=first or LANE=rest, one lane alone (.ci/run runs them in its two lanes). DOCS_SKIP
-# (a -k expression) leaves blocks out of both lanes: .ci/run's CI_DOCS_LEFT_OUT.
+# LANE=first or LANE=rest, one lane alone. .ci/run runs the blocks its CI_DOCS_FIRST and CI_DOCS_SECOND name.
 DOCS_LANE := (planning and not planning.md:10] and not planning.md:2]) or README
-DOCS_SKIP ?=
-DOCS_FIRST = $(if $(strip $(DOCS_SKIP)),($(DOCS_LANE)) and not ($(DOCS_SKIP)),$(DOCS_LANE))
-DOCS_REST = $(if $(strip $(DOCS_SKIP)),not ($(DOCS_LANE)) and not ($(DOCS_SKIP)),not ($(DOCS_LANE)))
 LANE ?=
 test-docs: env
 ifneq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -m docs tests/test_docs_commands.py $(ARGS)
 else ifeq ($(LANE),first)
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_FIRST)" --durations=8
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" --durations=8
 else ifeq ($(LANE),rest)
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_REST)" --durations=8
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "not ($(DOCS_LANE))" --durations=8
 else ifneq ($(strip $(LANE)),)
 	$(error LANE=$(LANE): give LANE=first (the blocks "$(DOCS_LANE)" selects) or LANE=rest, or no LANE for both side by side)
 else
 	@log=$$(mktemp); \
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_FIRST)" --durations=8 > $$log 2>&1 & lane=$$!; \
-	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_REST)" --durations=8; rest=$$?; \
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "$(DOCS_LANE)" --durations=8 > $$log 2>&1 & lane=$$!; \
+	$(PY) -m pytest -q -m docs tests/test_docs_commands.py -k "not ($(DOCS_LANE))" --durations=8; rest=$$?; \
 	wait $$lane; first=$$?; \
-	echo "== $(DOCS_FIRST) (the first lane)"; cat $$log; rm -f $$log; \
+	echo "== $(DOCS_LANE) (the first lane)"; cat $$log; rm -f $$log; \
 	[ $$first -eq 0 ] || exit $$first; exit $$rest
 endif
 
