@@ -12,7 +12,7 @@ hosts (tests/test_multinode.py runs them with 127.0.0.1). test_left_out_blocks_s
 keeps that list honest.
 
 These runs take minutes, so they are not part of `make test`: `make test-docs` runs
-them, and .ci/run those its CI_DOCS names.
+them, and .ci/run those its CI_DOCS_FIRST and CI_DOCS_SECOND name.
 """
 
 from __future__ import annotations
