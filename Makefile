@@ -61,7 +61,8 @@ test-slow: env
 # lanes keep both cores busy. Each lane prints its slowest blocks, to move one between
 # lanes when a lane runs longer. The second lane prints as it goes, the first when it is
 # done. With ARGS (a -k of your own, say) one pytest runs what they select; with
-# LANE=first or LANE=rest, one lane alone. .ci/run runs the blocks its CI_DOCS_FIRST and CI_DOCS_SECOND name.
+# LANE=first or LANE=rest, one lane alone. .ci/run runs the blocks its CI_DOCS_FIRST and
+# CI_DOCS_SECOND name.
 DOCS_LANE := (planning and not planning.md:10] and not planning.md:2]) or README
 LANE ?=
 test-docs: env
