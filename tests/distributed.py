@@ -15,9 +15,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+# A rank's identity, and what a `make` that started pytest hands to any make below it.
+NOT_INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+                 "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
+def make_command_line_variables() -> set[str]:
+    """The variables given on the command line of the `make` that started pytest (`make
+    test-docs ARGS=...`): make exports them, and a documented `make run` would take that ARGS
+    as its own. MAKEFLAGS lists them after " -- ", separated by unescaped spaces."""
+    _, _, overrides = os.environ.get("MAKEFLAGS", "").partition(" -- ")
+    return set(re.findall(r"(?:^|(?<!\\) )([A-Za-z_][A-Za-z0-9_]*)=", overrides))
+
+
 def cpu_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")}
+    """The environment a subprocess of a test starts in: the user's shell's, not the suite's."""
+    dropped = set(NOT_INHERITED) | make_command_line_variables()
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 

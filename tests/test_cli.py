@@ -134,3 +134,16 @@ def test_training_is_deterministic_and_learns(tmp_path):
         runs.append(losses(tmp_path / name))
     assert runs[0] == runs[1]
     assert runs[0][-1] < runs[0][0] - 1.0
+
+
+def test_a_tests_subprocess_starts_outside_the_suites_make(monkeypatch):
+    """`make test-docs ARGS="-k README"` once handed its ARGS (exported, and in MAKEFLAGS) to
+    the documented `make run` it checks, which then passed pytest's options to the launcher."""
+    import subprocess
+
+    from tests.distributed import REPO
+    monkeypatch.setenv("MAKEFLAGS", "s -- ARGS=-k\\ 'README'\\ --durations=8")
+    monkeypatch.setenv("MAKELEVEL", "1")
+    monkeypatch.setenv("ARGS", "-k 'README' --durations=8")
+    shown = subprocess.run(["make", "-n", "run"], cwd=REPO, env=cpu_env(), capture_output=True, text=True, check=True)
+    assert "launch/run.py" in shown.stdout and "README" not in shown.stdout, shown.stdout
